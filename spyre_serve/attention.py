@@ -1,0 +1,78 @@
+"""The card's KV-cache program: the compiled step that writes new keys and values into the cache.
+
+It is the part of the forward pass that takes the KV cache as a graph input, so it is
+compiled by the card's compiler with the num_blocks dimension marked dynamic: the graph
+built during the 4-block warmup keeps serving after the coordinator resizes the cache.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+import torch
+from torch._dynamo.utils import counters
+from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
+
+logger = logging.getLogger(__name__)
+
+_program: Callable | None = None
+
+
+def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Scatter one step's keys/values into paged blocks, in the layout vLLM's CPU kernels read.
+
+    Each block of ``kv_cache`` [num_blocks, kv_heads, block_size, 2 * head_size] holds, per
+    head, the keys transposed ([head_size, block_size]) followed by the values
+    ([block_size, head_size]).
+    """
+    num_blocks, kv_heads, block_size, two_head = kv_cache.shape
+    head_size = two_head // 2
+    halves = kv_cache.view(num_blocks, kv_heads, 2, block_size * head_size)
+    keys_t = halves[:, :, 0].view(num_blocks, kv_heads, head_size, block_size)
+    values = halves[:, :, 1].view(num_blocks, kv_heads, block_size, head_size)
+    block = slot_mapping // block_size
+    offset = slot_mapping % block_size
+    keys_t[block, :, :, offset] = key
+    values[block, :, offset, :] = value
+
+
+def install_kv_program(compile_fn: Callable[[Callable], Callable] | None) -> None:
+    global _program
+    _program = compile_fn(write_kv) if compile_fn else write_kv
+
+
+def compiled_graphs() -> int:
+    """Graphs dynamo has compiled in this process (a recompile adds one)."""
+    return counters["stats"]["unique_graphs"]
+
+
+def _mark_dynamic(t: torch.Tensor, dim: int) -> None:
+    # A size-1 dimension is specialised by dynamo whatever we say; warmup covers that shape.
+    if t.shape[dim] > 1:
+        torch._dynamo.mark_dynamic(t, dim)
+
+
+class SpyreCardAttentionImpl(CPUAttentionBackendImpl):
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
+        # write_kv knows the plain "vec" layout only; AMX and fp8 caches keep vLLM's kernel.
+        if (_program is None or self.kv_cache_dtype != "auto" or key.dtype != kv_cache.dtype
+                or getattr(layer, "isa", "vec") != "vec"):
+            return super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
+        num_tokens = slot_mapping.shape[0]
+        key, value = key[:num_tokens], value[:num_tokens]
+        if num_tokens and bool((slot_mapping < 0).any()):
+            keep = slot_mapping >= 0  # padded tokens carry slot -1 and are not cached
+            key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
+        if slot_mapping.shape[0] == 0:
+            return
+        _mark_dynamic(kv_cache, 0)
+        for t in (key, value, slot_mapping):
+            _mark_dynamic(t, 0)
+        _program(kv_cache, key, value, slot_mapping)
+
+
+class SpyreCardAttentionBackend(CPUAttentionBackend):
+    @staticmethod
+    def get_impl_cls():
+        return SpyreCardAttentionImpl

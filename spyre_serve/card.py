@@ -1,0 +1,175 @@
+"""Spyre cards: which card a rank owns, and the compiler that runs programs on it.
+
+A card is claimed with an exclusive file lock held for the life of the worker process,
+so two replicas on one node never share a card and a crashed worker frees its card.
+"""
+from __future__ import annotations
+
+import fcntl
+import importlib
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from spyre_serve.compiler_report import BlockReport, read_report, report_path, write_report
+from spyre_serve.settings import SpyreSettings
+
+logger = logging.getLogger(__name__)
+
+_CLAIM_DIR = Path(os.environ.get("TMPDIR", "/tmp")) / "spyre_serve" / "cards"
+_claimed: tuple[int, int] | None = None  # (card index, lock fd) of this process
+
+
+class BackendUnavailable(RuntimeError):
+    pass
+
+
+def require_backend(backend: str):
+    """Return the torch_sendnn module for ``sendnn``; refuse loudly when it is not importable."""
+    if backend != "sendnn":
+        return None
+    try:
+        return importlib.import_module("torch_sendnn")
+    except ImportError as e:
+        raise BackendUnavailable(
+            f"backend 'sendnn' needs IBM's torch_sendnn, which does not import here ({e}). "
+            "Install the Spyre software stack on this node, or set backend: cpu to run on "
+            "simulated cards.") from None
+
+
+def claimed_card_index() -> int | None:
+    return None if _claimed is None else _claimed[0]
+
+
+def claim_card(node_id: str, num_cards: int) -> int:
+    """Claim the lowest free card on this node for this process (idempotent)."""
+    global _claimed
+    if _claimed is not None:
+        return _claimed[0]
+    lock_dir = _CLAIM_DIR / node_id
+    lock_dir.mkdir(parents=True, exist_ok=True)
+    for index in range(num_cards):
+        fd = os.open(lock_dir / f"card{index}.lock", os.O_CREAT | os.O_RDWR, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue
+        os.ftruncate(fd, 0)
+        os.write(fd, str(os.getpid()).encode())
+        _claimed = (index, fd)
+        return index
+    raise RuntimeError(
+        f"All {num_cards} Spyre cards of node {node_id} are claimed by other workers "
+        f"(locks in {lock_dir}); Ray granted a 'spyre' resource with no free card behind it. "
+        "Check that the node's 'spyre' resource count matches its cards.")
+
+
+@dataclass
+class WarmupMeasurement:
+    weights_bytes: int
+    activation_peak_bytes: int
+    bytes_per_block: int
+
+
+class Card:
+    """One card, as its worker sees it: an id, a compiler, and the block report it writes."""
+
+    source = "compiler"
+
+    def __init__(self, index: int, rank: int, settings: SpyreSettings):
+        self.index = index
+        self.rank = rank
+        self.settings = settings
+        self.device = f"spyre{index}"
+
+    @property
+    def report_file(self) -> Path:
+        return report_path(self.settings.report_dir, self.device)
+
+    def compile(self, fn: Callable) -> Callable:
+        raise NotImplementedError
+
+    def publish_block_report(self, model: str, max_model_len: int,
+                             measured: WarmupMeasurement) -> None:
+        raise NotImplementedError
+
+    def read_block_report(self, model: str, max_model_len: int, not_before: float) -> BlockReport:
+        return read_report(self.report_file, device=self.device, rank=self.rank, model=model,
+                           max_model_len=max_model_len, not_before=not_before)
+
+
+class SimulatedCard(Card):
+    """A card with a memory budget, served by vLLM's CPU kernels and inductor."""
+
+    source = "simulated"
+
+    def __init__(self, index: int, rank: int, settings: SpyreSettings):
+        super().__init__(index, rank, settings)
+        self.device = f"sim{index}"
+        self.memory_budget_bytes = settings.budget_for_rank(rank)
+
+    def compile(self, fn: Callable) -> Callable:
+        import torch
+        return torch.compile(fn, backend="inductor", dynamic=False)
+
+    def publish_block_report(self, model: str, max_model_len: int,
+                             measured: WarmupMeasurement) -> None:
+        """The simulated compiler: what is left of the budget, in whole blocks."""
+        free = self.memory_budget_bytes - measured.weights_bytes - measured.activation_peak_bytes
+        num_blocks = max(0, free // measured.bytes_per_block)
+        report = BlockReport(
+            device=self.device, rank=self.rank, num_blocks=int(num_blocks), model=model,
+            max_model_len=max_model_len, source=self.source, created_at=time.time(),
+            memory_budget_bytes=self.memory_budget_bytes, weights_bytes=measured.weights_bytes,
+            activation_peak_bytes=measured.activation_peak_bytes,
+            bytes_per_block=measured.bytes_per_block)
+        fault = self.settings.simulated_report_fault.get(self.rank)
+        path = self.report_file
+        if fault == "missing":
+            path.unlink(missing_ok=True)
+            return
+        if fault == "corrupt":
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text('{"schema": 1, "num_blocks": ')
+            return
+        if fault == "stale":
+            report = BlockReport(**{**report.to_dict(), "model": model + "-previous"})
+        write_report(path, report)
+
+
+class SendnnCard(Card):
+    """A real card: torch_sendnn compiles, and its compiler reports the blocks it can hold."""
+
+    def __init__(self, index: int, rank: int, settings: SpyreSettings, torch_sendnn):
+        super().__init__(index, rank, settings)
+        self.torch_sendnn = torch_sendnn
+
+    def compile(self, fn: Callable) -> Callable:
+        import torch
+        return torch.compile(fn, backend="sendnn", dynamic=False)
+
+    def publish_block_report(self, model: str, max_model_len: int,
+                             measured: WarmupMeasurement) -> None:
+        # A compiler that exposes its report as a function gets it written in our format;
+        # one that writes the file itself (to report_file) needs nothing from us.
+        get_report = getattr(self.torch_sendnn, "kv_block_report", None)
+        if get_report is None:
+            return
+        data = get_report(self.index)
+        report = BlockReport(
+            device=self.device, rank=self.rank, num_blocks=int(data["num_blocks"]), model=model,
+            max_model_len=max_model_len, source=self.source, created_at=time.time(),
+            bytes_per_block=measured.bytes_per_block, weights_bytes=measured.weights_bytes)
+        write_report(self.report_file, report)
+
+
+def open_card(index: int, rank: int, settings: SpyreSettings) -> Card:
+    torch_sendnn = require_backend(settings.backend)
+    if torch_sendnn is not None:
+        return SendnnCard(index, rank, settings, torch_sendnn)
+    return SimulatedCard(index, rank, settings)
+

@@ -1,0 +1,94 @@
+"""The block-count handshake: every rank's report in, one block count out.
+
+Pure logic, no engine: the executor feeds it the reports its workers gathered after
+warmup and broadcasts the decision back to them before the replica takes traffic.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import asdict, dataclass, field
+
+from spyre_serve.compiler_report import BLOCK_SIZE
+
+logger = logging.getLogger(__name__)
+
+# vLLM's block pool keeps one block back as its null block: it never holds tokens.
+RESERVED_BLOCKS = 1
+
+
+class NotEnoughBlocks(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class Decision:
+    num_blocks: int
+    limiting_rank: int
+    max_model_len: int
+    blocks_needed: int
+    override: int | None
+    reports: list[dict] = field(default_factory=list)
+
+    @property
+    def usable_blocks(self) -> int:
+        return self.num_blocks - RESERVED_BLOCKS
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "usable_blocks": self.usable_blocks, "block_size": BLOCK_SIZE}
+
+
+def blocks_needed(max_model_len: int) -> int:
+    return math.ceil(max_model_len / BLOCK_SIZE)
+
+
+def report_table(reports: list[dict]) -> str:
+    header = f"{'rank':>4} {'device':>8} {'num_blocks':>10} {'source':>9} {'budget MiB':>10} " \
+             f"{'weights MiB':>11} {'activ. MiB':>10} {'KiB/block':>9}"
+    rows = [header]
+    for r in sorted(reports, key=lambda r: r["rank"]):
+        rows.append(f"{r['rank']:>4} {r['device']:>8} {r['num_blocks']:>10} {r['source']:>9} "
+                    f"{r['memory_budget_bytes'] / 2**20:>10.1f} {r['weights_bytes'] / 2**20:>11.1f} "
+                    f"{r['activation_peak_bytes'] / 2**20:>10.1f} {r['bytes_per_block'] / 2**10:>9.1f}")
+    return "\n".join(rows)
+
+
+def decide(reports: list[dict], max_model_len: int, override: int | None = None) -> Decision:
+    """Take the minimum over ranks, let an explicit override win, and check one full request fits."""
+    if not reports:
+        raise ValueError("no block reports to coordinate")
+    ranks = sorted(r["rank"] for r in reports)
+    if ranks != list(range(len(reports))):
+        raise RuntimeError(f"block reports came from ranks {ranks}; expected each of "
+                           f"0..{len(reports) - 1} exactly once")
+    limiting = min(reports, key=lambda r: (r["num_blocks"], r["rank"]))
+    logger.info("Spyre block reports:\n%s", report_table(reports))
+    need = blocks_needed(max_model_len)
+    if override is not None:
+        if override > limiting["num_blocks"]:
+            logger.warning("num_gpu_blocks_override=%d exceeds the %d blocks rank %d's card "
+                           "reports it can hold; the override wins", override,
+                           limiting["num_blocks"], limiting["rank"])
+        logger.info("num_gpu_blocks_override=%d wins over the reported minimum %d (rank %d)",
+                    override, limiting["num_blocks"], limiting["rank"])
+        num_blocks, source = override, f"num_gpu_blocks_override={override}"
+    else:
+        num_blocks = limiting["num_blocks"]
+        source = (f"rank {limiting['rank']} (card {limiting['device']}, "
+                  f"{limiting['source']} report)")
+    usable = num_blocks - RESERVED_BLOCKS
+    if usable < need:
+        fits = max(0, usable) * BLOCK_SIZE
+        raise NotEnoughBlocks(
+            f"Number of pages available on Spyre {usable} is not enough to serve the current "
+            f"model (need at least {need} pages). The limit comes from {source}: {num_blocks} "
+            f"blocks of {BLOCK_SIZE} tokens, one of which vLLM reserves, while max_model_len="
+            f"{max_model_len} needs {need}. The estimated maximum model length that fits is "
+            f"{fits}. Fix: set max_model_len <= {fits}, give that card more memory "
+            f"(card_memory_bytes for simulated cards), or use more tensor-parallel ranks.")
+    decision = Decision(num_blocks=num_blocks, limiting_rank=limiting["rank"],
+                        max_model_len=max_model_len, blocks_needed=need, override=override,
+                        reports=sorted(reports, key=lambda r: r["rank"]))
+    logger.info("Spyre KV cache: %d blocks of %d tokens on every rank (limited by %s)",
+                num_blocks, BLOCK_SIZE, source)
+    return decision

@@ -1,0 +1,53 @@
+"""vLLM engine arguments for Spyre, and the handshake status read back from the ranks."""
+from __future__ import annotations
+
+from typing import Any
+
+from spyre_serve.compiler_report import BLOCK_SIZE
+from spyre_serve.settings import SpyreSettings
+
+# Tested defaults for the CPU validation path; any of them can be overridden.
+ENGINE_DEFAULTS: dict[str, Any] = {"dtype": "float32", "enforce_eager": True}
+
+
+def engine_kwargs(model: str, *, tensor_parallel_size: int = 1, max_model_len: int = 2048,
+                  max_num_seqs: int = 8, spyre: SpyreSettings | dict | None = None,
+                  **extra: Any) -> dict[str, Any]:
+    """Keyword arguments for ``vllm.LLM`` / ``AsyncEngineArgs`` that run on Spyre cards."""
+    from spyre_serve.executor import SpyreRayExecutor
+
+    settings = spyre if isinstance(spyre, SpyreSettings) else SpyreSettings.model_validate(spyre or {})
+    for reserved in ("distributed_executor_backend", "additional_config"):
+        if reserved in extra:
+            raise ValueError(f"{reserved} is set by spyre_serve; remove it from the engine kwargs")
+    if extra.get("block_size", BLOCK_SIZE) != BLOCK_SIZE:
+        raise ValueError(f"block_size={extra['block_size']} is not supported: Spyre cards use "
+                         f"fixed {BLOCK_SIZE}-token KV blocks. Remove block_size or set it to "
+                         f"{BLOCK_SIZE}.")
+    return {
+        **ENGINE_DEFAULTS,
+        **extra,
+        "model": model,
+        "tensor_parallel_size": tensor_parallel_size,
+        "max_model_len": max_model_len,
+        "max_num_seqs": max_num_seqs,
+        "block_size": BLOCK_SIZE,
+        "distributed_executor_backend": SpyreRayExecutor,
+        "additional_config": {"spyre": settings.model_dump()},
+    }
+
+
+def summarize(rank_statuses: list[dict]) -> dict:
+    """One replica's handshake, from every rank's own account of it."""
+    ranks = sorted(rank_statuses, key=lambda s: s["rank"])
+    decision = ranks[0]["decision"]
+    return {
+        "num_blocks": decision["num_blocks"],
+        "usable_blocks": decision["usable_blocks"],
+        "block_size": decision["block_size"],
+        "limiting_rank": decision["limiting_rank"],
+        "override": decision["override"],
+        "max_model_len": decision["max_model_len"],
+        "reports": decision["reports"],
+        "ranks": ranks,
+    }

@@ -1,0 +1,63 @@
+"""SpyrePlatform: vLLM's out-of-tree platform for Spyre cards, found through the
+``vllm.platform_plugins`` entry point.
+
+On CPU builds of vLLM it is a CpuPlatform (as IBM's own plugin is), so vLLM's CPU kernels
+run the simulated cards; what makes it Spyre is the Ray device key, the card env var,
+64-token blocks, and our worker, executor and KV-cache program.
+"""
+from __future__ import annotations
+
+import os
+
+from vllm.logger import init_logger
+from vllm.platforms.cpu import CpuPlatform
+
+from spyre_serve.card import require_backend
+from spyre_serve.compiler_report import BLOCK_SIZE
+from spyre_serve.settings import SpyreSettings
+
+logger = init_logger(__name__)
+
+WORKER_CLS = "spyre_serve.worker.SpyreWorker"
+DISABLE_ENV = "SPYRE_SERVE_PLATFORM"
+
+
+def register() -> str | None:
+    """Entry point: active unless SPYRE_SERVE_PLATFORM=0 (e.g. to run plain vLLM beside us)."""
+    if os.environ.get(DISABLE_ENV, "1") == "0":
+        return None
+    return "spyre_serve.platform.SpyrePlatform"
+
+
+class SpyrePlatform(CpuPlatform):
+    device_name: str = "spyre"
+    ray_device_key: str = "spyre"
+    device_control_env_var: str = "SPYRE_DEVICES"
+
+    @classmethod
+    def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None) -> str:
+        path = super().get_attn_backend_cls(selected_backend, attn_selector_config, num_heads)
+        if path.endswith(".CPUAttentionBackend"):
+            return "spyre_serve.attention.SpyreCardAttentionBackend"
+        return path
+
+    @classmethod
+    def check_and_update_config(cls, vllm_config) -> None:
+        settings = SpyreSettings.from_vllm_config(vllm_config)
+        require_backend(settings.backend)
+        cache_config = vllm_config.cache_config
+        if cache_config.user_specified_block_size and cache_config.block_size != BLOCK_SIZE:
+            raise ValueError(
+                f"block_size={cache_config.block_size} is not supported: Spyre cards hold the KV "
+                f"cache in fixed {BLOCK_SIZE}-token blocks. Remove block_size from the engine "
+                f"arguments or set it to {BLOCK_SIZE}.")
+        cache_config.block_size = BLOCK_SIZE
+        cache_config.user_specified_block_size = True
+        if cache_config.kv_cache_memory_bytes is None:
+            # The card's compiler sizes the KV cache, not host memory; a nominal value keeps
+            # the CPU worker from reserving a share of host RAM it would never use.
+            cache_config.kv_cache_memory_bytes = 1
+        parallel_config = vllm_config.parallel_config
+        if parallel_config.worker_cls == "auto":
+            parallel_config.worker_cls = WORKER_CLS
+        super().check_and_update_config(vllm_config)

@@ -1,0 +1,47 @@
+"""Spyre settings that travel with vLLM's config (``additional_config["spyre"]``) to every rank."""
+from __future__ import annotations
+
+import os
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+DEFAULT_REPORT_DIR = os.path.join(os.environ.get("TMPDIR", "/tmp"), "spyre_serve", "reports")
+DEFAULT_CARD_MEMORY_BYTES = 2 * 1024**3
+
+
+class SpyreSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    backend: Literal["cpu", "sendnn"] = Field(
+        "cpu", description="cpu: simulated cards on vLLM's CPU kernels; sendnn: real cards via torch_sendnn")
+    card_memory_bytes: int | list[int] = Field(
+        DEFAULT_CARD_MEMORY_BYTES,
+        description="Simulated card memory budget; one number for all ranks or one per TP rank")
+    report_dir: str = Field(DEFAULT_REPORT_DIR, description="Where card compilers write block reports")
+    compile_kv_program: bool = Field(
+        True, description="Compile the card's KV-cache program (torch.compile); off only for debugging")
+    simulated_report_fault: dict[int, Literal["missing", "corrupt", "stale"]] = Field(
+        default_factory=dict,
+        description="Validation drills: make the simulated compiler of these ranks write a bad report")
+
+    @field_validator("card_memory_bytes")
+    @classmethod
+    def _positive(cls, v):
+        for b in v if isinstance(v, list) else [v]:
+            if b <= 0:
+                raise ValueError(f"card memory budgets must be positive bytes, got {b}")
+        return v
+
+    def budget_for_rank(self, rank: int) -> int:
+        if isinstance(self.card_memory_bytes, int):
+            return self.card_memory_bytes
+        if rank >= len(self.card_memory_bytes):
+            raise ValueError(
+                f"card_memory_bytes lists {len(self.card_memory_bytes)} budgets but rank {rank} "
+                f"exists: give one budget per tensor-parallel rank, or a single number")
+        return self.card_memory_bytes[rank]
+
+    @classmethod
+    def from_vllm_config(cls, vllm_config) -> "SpyreSettings":
+        return cls.model_validate((vllm_config.additional_config or {}).get("spyre", {}))

@@ -1,0 +1,94 @@
+"""Warmup on a 4-block KV cache, driven by vLLM's own scheduler inside the rank.
+
+Every rank runs the same requests in lockstep, so tensor-parallel collectives line up
+without the engine: two warmup prompts decoded together, then one "deploy" prefill so
+that the first real request finds every shape already compiled.
+"""
+from __future__ import annotations
+
+import copy
+import time
+
+from vllm.sampling_params import SamplingParams
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.request import Request
+from vllm.v1.structured_output import StructuredOutputManager
+
+WARMUP_BLOCKS = 4
+
+
+def _prompt(length: int, vocab_size: int, salt: int) -> list[int]:
+    return [(salt * 7919 + i * 31) % (vocab_size - 1) + 1 for i in range(length)]
+
+
+def warmup_requests(max_model_len: int, vocab_size: int) -> list[list[tuple[list[int], int]]]:
+    """Rounds of (prompt, max_tokens): the 2 warmup prompts, then the deploy prefill.
+
+    Sized to fit the 3 usable blocks of the warmup cache (vLLM keeps one as null block).
+    """
+    long_len = max(2, min(96, max_model_len - 8))
+    short_len = max(2, min(32, max_model_len - 8))
+    return [
+        [(_prompt(long_len, vocab_size, 1), 4), (_prompt(short_len, vocab_size, 2), 4)],
+        [(_prompt(max(2, min(64, max_model_len - 4)), vocab_size, 3), 2)],
+    ]
+
+
+def _status_bytes(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _reset_peak_rss() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def run_warmup(model_runner, vllm_config, kv_cache_config) -> dict:
+    """Serve the warmup rounds through the model runner.
+
+    Returns step counts, time, and the activation peak: the resident-memory high-water mark
+    over the deploy round, which runs after every program is compiled, so compiler memory
+    does not count as activations.
+    """
+    config = copy.copy(vllm_config)
+    # A private scheduler: no prefix caching (warmup requests carry no block hashes).
+    config.cache_config = copy.copy(vllm_config.cache_config)
+    config.cache_config.enable_prefix_caching = False
+    config.cache_config.num_gpu_blocks = kv_cache_config.num_blocks
+    scheduler = Scheduler(
+        vllm_config=config, kv_cache_config=kv_cache_config,
+        structured_output_manager=StructuredOutputManager(config),
+        block_size=vllm_config.cache_config.block_size)
+    vocab_size = vllm_config.model_config.get_vocab_size()
+    steps, start = 0, time.perf_counter()
+    rounds = warmup_requests(vllm_config.model_config.max_model_len, vocab_size)
+    activation_peak = 0
+    for round_no, round_ in enumerate(rounds):
+        deploy_round = round_no == len(rounds) - 1
+        if deploy_round:
+            rss_before = _status_bytes("VmRSS")
+            tracked = _reset_peak_rss()
+        for i, (prompt, max_tokens) in enumerate(round_):
+            params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+            scheduler.add_request(Request(f"spyre-warmup-{round_no}-{i}", prompt, params, None))
+        while scheduler.has_unfinished_requests():
+            scheduler_output = scheduler.schedule()
+            output = model_runner.execute_model(scheduler_output)
+            if output is None:
+                output = model_runner.sample_tokens(None)
+            scheduler.update_from_output(scheduler_output, output)
+            steps += 1
+        if deploy_round and tracked:
+            activation_peak = max(0, _status_bytes("VmHWM") - rss_before)
+    # One empty step hands the runner the last finished ids, so its batch is empty again.
+    model_runner.execute_model(scheduler.schedule())
+    return {"steps": steps, "seconds": time.perf_counter() - start,
+            "activation_peak_bytes": activation_peak}

@@ -1,0 +1,96 @@
+"""SpyreWorker: one tensor-parallel rank, living in the Ray actor that owns one card."""
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import torch
+from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups, get_kv_cache_groups
+from vllm.v1.worker.cpu_worker import CPUWorker
+
+from spyre_serve import card as cards
+from spyre_serve.attention import compiled_graphs, install_kv_program
+from spyre_serve.settings import SpyreSettings
+from spyre_serve.warmup import WARMUP_BLOCKS, run_warmup
+
+logger = logging.getLogger(__name__)
+
+
+class SpyreWorker(CPUWorker):
+    def init_device(self) -> None:
+        super().init_device()
+        self.settings = SpyreSettings.from_vllm_config(self.vllm_config)
+        visible = self.parallel_config.assigned_physical_gpu_ids
+        if visible:
+            os.environ["SPYRE_DEVICES"] = ",".join(str(i) for i in visible)
+        devices = [int(d) for d in os.environ.get("SPYRE_DEVICES", "").split(",") if d != ""]
+        index = cards.claimed_card_index()
+        if index is None:
+            index = devices[self.local_rank] if devices else self.local_rank
+        self.card = cards.open_card(index, self.rank, self.settings)
+        install_kv_program(self.card.compile if self.settings.compile_kv_program else None)
+        self.decision: dict | None = None
+        self.warmup: dict = {}
+        logger.info("rank %d owns card %s (SPYRE_DEVICES=%s)", self.rank, self.card.device,
+                    os.environ.get("SPYRE_DEVICES", ""))
+
+    def _model_identity(self) -> tuple[str, int]:
+        return self.model_config.model, self.model_config.max_model_len
+
+    def warm_up_and_report(self) -> dict:
+        """Warm up on a 4-block cache, let the card's compiler report, return that report."""
+        started = time.time()
+        runner = self.model_runner
+        spec = runner.get_kv_cache_spec()
+        groups = get_kv_cache_groups(self.vllm_config, spec)
+        saved_override = self.cache_config.num_gpu_blocks_override
+        self.cache_config.num_gpu_blocks_override = WARMUP_BLOCKS
+        try:
+            warmup_config = get_kv_cache_config_from_groups(self.vllm_config, groups, 0)
+        finally:
+            self.cache_config.num_gpu_blocks_override = saved_override
+        runner.initialize_kv_cache(warmup_config, is_profiling=True)
+        warmup_shapes = sorted({tuple(t.shape) for t in runner.kv_caches})
+        with torch.inference_mode():
+            stats = run_warmup(runner, self.vllm_config, warmup_config)
+        runner._cleanup_profiling_kv_cache()
+
+        model = runner.get_model()
+        weights = sum(t.numel() * t.element_size()
+                      for t in list(model.parameters()) + list(model.buffers()))
+        measured = cards.WarmupMeasurement(
+            weights_bytes=weights, activation_peak_bytes=stats["activation_peak_bytes"],
+            bytes_per_block=sum(s.page_size_bytes for s in spec.values()))
+        model_name, max_model_len = self._model_identity()
+        self.card.publish_block_report(model_name, max_model_len, measured)
+        report = self.card.read_block_report(model_name, max_model_len, not_before=started)
+        self.warmup = {"seconds": time.time() - started, "steps": stats["steps"],
+                       "kv_cache_shapes": warmup_shapes, "graphs": compiled_graphs(),
+                       "report_file": str(self.card.report_file)}
+        return {**report.to_dict(), "bytes_per_block": measured.bytes_per_block,
+                "warmup_seconds": self.warmup["seconds"]}
+
+    def accept_resize(self, decision: dict) -> None:
+        self.decision = decision
+
+    def initialize_from_config(self, kv_cache_config) -> None:
+        if self.decision is None:
+            raise RuntimeError("rank %d was asked to allocate its KV cache before the block "
+                               "handshake broadcast a size" % self.rank)
+        if kv_cache_config.num_blocks != self.decision["num_blocks"]:
+            raise RuntimeError(
+                f"rank {self.rank}: vLLM planned {kv_cache_config.num_blocks} KV blocks but the "
+                f"coordinator broadcast {self.decision['num_blocks']}")
+        super().initialize_from_config(kv_cache_config)
+
+    def spyre_status(self) -> dict:
+        return {
+            "rank": self.rank,
+            "device": self.card.device,
+            "backend": self.settings.backend,
+            "decision": self.decision,
+            "warmup": self.warmup,
+            "kv_cache_shapes": sorted({tuple(t.shape) for t in self.model_runner.kv_caches}),
+            "graphs_now": compiled_graphs(),
+        }
