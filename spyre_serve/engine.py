@@ -1,6 +1,9 @@
 """vLLM engine arguments for Spyre, and the handshake status read back from the ranks."""
 from __future__ import annotations
 
+import contextlib
+import os
+import uuid
 from typing import Any
 
 from spyre_serve.compiler_report import BLOCK_SIZE
@@ -17,6 +20,7 @@ def engine_kwargs(model: str, *, tensor_parallel_size: int = 1, max_model_len: i
     from spyre_serve.executor import SpyreRayExecutor
 
     settings = spyre if isinstance(spyre, SpyreSettings) else SpyreSettings.model_validate(spyre or {})
+    settings = settings.model_copy(update={"startup_id": uuid.uuid4().hex})
     for reserved in ("distributed_executor_backend", "additional_config"):
         if reserved in extra:
             raise ValueError(f"{reserved} is set by spyre_serve; remove it from the engine kwargs")
@@ -35,6 +39,41 @@ def engine_kwargs(model: str, *, tensor_parallel_size: int = 1, max_model_len: i
         "distributed_executor_backend": SpyreRayExecutor,
         "additional_config": {"spyre": settings.model_dump()},
     }
+
+
+class SpyreStartupError(RuntimeError):
+    """The engine did not start; the message is the cause a rank or the coordinator gave."""
+
+
+@contextlib.contextmanager
+def startup_errors(kwargs: dict[str, Any]):
+    settings = SpyreSettings.model_validate(kwargs["additional_config"]["spyre"])
+    path = settings.startup_error_file()
+    try:
+        yield
+    except Exception as e:
+        if os.path.exists(path):
+            with open(path) as f:
+                raise SpyreStartupError(f.read()) from e
+        raise
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)
+
+
+def start_llm(kwargs: dict[str, Any]):
+    """A synchronous ``vllm.LLM`` on Spyre cards (tests, benchmarks, scripts)."""
+    from vllm import LLM
+    with startup_errors(kwargs):
+        return LLM(**kwargs, disable_log_stats=False)
+
+
+def start_async_engine(kwargs: dict[str, Any], **async_llm_kwargs: Any):
+    """An ``AsyncLLM`` on Spyre cards (the Serve replica)."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+    with startup_errors(kwargs):
+        return AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs), **async_llm_kwargs)
 
 
 def summarize(rank_statuses: list[dict]) -> dict:

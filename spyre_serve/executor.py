@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 
 import ray
 import vllm.v1.executor.ray_executor as vllm_ray_executor
@@ -15,6 +16,7 @@ from vllm.v1.executor.ray_utils import RayWorkerWrapper
 
 from spyre_serve.card import claim_card
 from spyre_serve.coordinator import decide
+from spyre_serve.settings import SpyreSettings
 
 logger = logging.getLogger(__name__)
 
@@ -40,12 +42,35 @@ def _spyre_worker_actors():
         vllm_ray_executor.RayWorkerWrapper = RayWorkerWrapper
 
 
+@contextlib.contextmanager
+def _startup_errors_to_file(vllm_config):
+    """vLLM's frontend only says "Engine core initialization failed"; leave it the cause."""
+    try:
+        yield
+    except Exception as e:
+        settings = SpyreSettings.from_vllm_config(vllm_config)
+        if settings.startup_id:
+            cause = getattr(e, "cause", None) or e  # a RayTaskError carries the rank's exception
+            os.makedirs(settings.report_dir, exist_ok=True)
+            with open(settings.startup_error_file(), "w") as f:
+                f.write(f"{type(cause).__name__}: {cause}")
+        raise
+
+
 class SpyreRayExecutor(RayDistributedExecutor):
+    def _init_executor(self) -> None:
+        with _startup_errors_to_file(self.vllm_config):
+            super()._init_executor()
+
     def _init_workers_ray(self, placement_group, **ray_remote_kwargs) -> None:
         with _spyre_worker_actors():
             super()._init_workers_ray(placement_group, **ray_remote_kwargs)
 
     def determine_available_memory(self) -> list[int]:
+        with _startup_errors_to_file(self.vllm_config):
+            return self._block_handshake()
+
+    def _block_handshake(self) -> list[int]:
         reports = self.collective_rpc("warm_up_and_report")
         decision = decide(reports, self.vllm_config.model_config.max_model_len,
                           self.vllm_config.cache_config.num_gpu_blocks_override)

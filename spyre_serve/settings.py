@@ -25,6 +25,9 @@ class SpyreSettings(BaseModel):
         default_factory=dict,
         description="Validation drills: make the simulated compiler of these ranks write a bad report")
 
+    startup_id: str = Field(
+        "", description="Set by spyre_serve per engine start: names the file a startup error goes to")
+
     @field_validator("card_memory_bytes")
     @classmethod
     def _positive(cls, v):
@@ -41,6 +44,9 @@ class SpyreSettings(BaseModel):
                 f"card_memory_bytes lists {len(self.card_memory_bytes)} budgets but rank {rank} "
                 f"exists: give one budget per tensor-parallel rank, or a single number")
         return self.card_memory_bytes[rank]
+
+    def startup_error_file(self) -> str:
+        return os.path.join(self.report_dir, f"startup-{self.startup_id}.error")
 
     @classmethod
     def from_vllm_config(cls, vllm_config) -> "SpyreSettings":
