@@ -1,0 +1,1 @@
+"""Ray Serve application builders (import_path: deployments.<module>:build_app)."""

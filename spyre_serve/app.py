@@ -1,0 +1,139 @@
+"""Arguments of the Serve application, and what they turn into: engine kwargs and Serve options.
+
+Pure logic, no Ray and no engine, so `serve run` can reject a bad config before anything
+starts and the rules can be unit tested.
+"""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, field_validator, model_validator
+
+DEMO_MODEL = "builtin:smollm2-135m-instruct"
+BUILTIN_PREFIX = "builtin:"
+
+# Engine kwargs the app sets from its own fields: a second way to set them would be ambiguous.
+_OWN_FIELDS = {"model": "model", "served_model_name": "served_model_name",
+               "tensor_parallel_size": "tensor_parallel_size",
+               "max_model_len": "max_model_len", "max_num_seqs": "max_num_seqs"}
+# Set by spyre_serve itself (engine.engine_kwargs refuses them too, but only inside a replica).
+_RESERVED = {"distributed_executor_backend", "additional_config"}
+
+
+class AppArgs(BaseModel):
+    """`args:` of serve_config.yaml. Unknown fields are errors, so a typo never goes unnoticed."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(DEMO_MODEL, description="Local HF model folder, or builtin:smollm2-135m-"
+                       "instruct / builtin:tiny-llama (built once on each node, cached)")
+    served_model_name: str | None = Field(
+        None, description="Name clients put in `model`; default: the model without builtin:")
+    tensor_parallel_size: PositiveInt = Field(1, description="Spyre cards per replica")
+    max_model_len: PositiveInt = 2048
+    max_num_seqs: PositiveInt = 8
+    backend: Literal["cpu", "sendnn"] = Field(
+        "cpu", description="cpu: simulated cards; sendnn: real cards through torch_sendnn")
+    card_memory_bytes: PositiveInt | list[PositiveInt] | None = Field(
+        None, description="Simulated card budgets: one for every card or one per TP rank")
+    engine_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="Passed to vLLM's AsyncEngineArgs as they are")
+
+    num_replicas: PositiveInt | None = Field(None, description="Fixed replica count")
+    autoscaling_config: dict[str, Any] | None = Field(
+        None, description="Ray Serve autoscaling_config, passed through (instead of num_replicas)")
+    max_ongoing_requests: PositiveInt = Field(
+        64, description="Per replica; vLLM queues what its max_num_seqs cannot run at once")
+    replica_num_cpus: float = Field(
+        1.0, gt=0, description="CPUs of bundle 0, where the replica (HTTP + engine frontend) runs")
+    # Warmup compiles and runs the model before the replica exists for Serve, so these only
+    # need to cover a busy engine, not startup; startup has its own limit.
+    health_check_period_s: float = Field(10.0, gt=0)
+    health_check_timeout_s: float = Field(30.0, gt=0)
+    graceful_shutdown_timeout_s: float = Field(20.0, ge=0)
+    engine_start_timeout_s: float = Field(
+        3600.0, gt=0, description="Model load + warmup + block handshake, per replica")
+    stream_batching_interval_ms: float = Field(
+        0.0, ge=0, description="Coalesce streamed chunks for this long; 0 sends each token as it comes")
+
+    @field_validator("engine_kwargs")
+    @classmethod
+    def _engine_kwargs_are_vllm_args(cls, kwargs: dict[str, Any]) -> dict[str, Any]:
+        for key in kwargs:
+            if key in _OWN_FIELDS:
+                raise ValueError(f"engine_kwargs.{key}: set it with the app argument "
+                                 f"`{_OWN_FIELDS[key]}` instead")
+            if key in _RESERVED:
+                raise ValueError(f"engine_kwargs.{key} is set by spyre_serve; remove it")
+        unknown = sorted(set(kwargs) - _vllm_engine_arg_names()) if kwargs else []
+        if unknown:
+            raise ValueError(f"engine_kwargs.{unknown[0]} is not an argument of vLLM's "
+                             f"AsyncEngineArgs (unknown: {', '.join(unknown)})")
+        return kwargs
+
+    @model_validator(mode="after")
+    def _one_way_to_scale(self) -> "AppArgs":
+        if self.num_replicas is not None and self.autoscaling_config is not None:
+            raise ValueError("num_replicas and autoscaling_config exclude each other: "
+                             "give one of them")
+        if isinstance(self.card_memory_bytes, list) and \
+                len(self.card_memory_bytes) != self.tensor_parallel_size:
+            raise ValueError(f"card_memory_bytes lists {len(self.card_memory_bytes)} budgets "
+                             f"for tensor_parallel_size={self.tensor_parallel_size}: give one "
+                             "per rank, or a single number")
+        return self
+
+    @property
+    def model_name(self) -> str:
+        if self.served_model_name:
+            return self.served_model_name
+        return self.model.removeprefix(BUILTIN_PREFIX)
+
+    def spyre_settings(self) -> dict[str, Any]:
+        settings: dict[str, Any] = {"backend": self.backend}
+        if self.card_memory_bytes is not None:
+            settings["card_memory_bytes"] = self.card_memory_bytes
+        return settings
+
+    def engine_kwargs_for(self, model_path: str) -> dict[str, Any]:
+        """Arguments for spyre_serve.engine.engine_kwargs, once the model is on this node."""
+        return {
+            "model": model_path,
+            "tensor_parallel_size": self.tensor_parallel_size,
+            "max_model_len": self.max_model_len,
+            "max_num_seqs": self.max_num_seqs,
+            "spyre": self.spyre_settings(),
+            "served_model_name": [self.model_name],
+            # The status and metrics endpoints read vLLM's scheduler stats.
+            "disable_log_stats": False,
+            **self.engine_kwargs,
+        }
+
+    def placement_group_bundles(self) -> list[dict[str, float]]:
+        """Bundle 0 holds the replica actor; one card per tensor-parallel rank after it."""
+        return [{"CPU": self.replica_num_cpus}] + [{"spyre": 1}] * self.tensor_parallel_size
+
+    def deployment_options(self) -> dict[str, Any]:
+        """Keyword arguments for `Deployment.options`."""
+        options: dict[str, Any] = {
+            "ray_actor_options": {"num_cpus": self.replica_num_cpus},
+            # STRICT_PACK: a TP group's cards talk over the node's links, never across nodes.
+            "placement_group_bundles": self.placement_group_bundles(),
+            "placement_group_strategy": "STRICT_PACK",
+            "max_ongoing_requests": self.max_ongoing_requests,
+            "health_check_period_s": self.health_check_period_s,
+            "health_check_timeout_s": self.health_check_timeout_s,
+            "graceful_shutdown_timeout_s": self.graceful_shutdown_timeout_s,
+        }
+        if self.autoscaling_config is not None:
+            options["autoscaling_config"] = self.autoscaling_config
+        else:
+            options["num_replicas"] = self.num_replicas or 1
+        return options
+
+
+def _vllm_engine_arg_names() -> set[str]:
+    import dataclasses
+
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    return {f.name for f in dataclasses.fields(AsyncEngineArgs)}

@@ -1,0 +1,148 @@
+"""The HTTP face of one replica: vLLM's OpenAI serving code behind a FastAPI app.
+
+Request schemas, validation, sampling, chat templates and error bodies are vLLM's own
+(the same objects `vllm serve` builds); this module only adds the routes, the optional
+stream coalescing, and the Spyre endpoints.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import types
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
+from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.entrypoints.launchers.api_server.app_state import init_app_state
+from vllm.entrypoints.launchers.cli_args import FrontendArgs
+from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+from vllm.entrypoints.serve.engine.protocol import ErrorInfo, ErrorResponse
+from vllm.entrypoints.serve.exception_handling.register import init_exception_handler
+from vllm.entrypoints.serve.utils.api_utils import validate_json_request, with_cancellation
+
+from spyre_serve.serving_metrics import PROMETHEUS_CONTENT_TYPE
+
+_END = object()
+
+
+async def coalesce(chunks: AsyncIterator[str], interval_s: float) -> AsyncIterator[str]:
+    """Join the SSE chunks that arrive within `interval_s` into one write; 0 passes each on.
+
+    A timer flushes, not the next chunk: a slow token never waits for the one after it.
+    """
+    if interval_s <= 0:
+        async for chunk in chunks:
+            yield chunk
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump():
+        try:
+            async for chunk in chunks:
+                await queue.put(chunk)
+        except Exception as e:  # handed to the consumer, which re-raises it in the response
+            await queue.put(e)
+        await queue.put(_END)
+
+    pumping = asyncio.create_task(pump())
+    loop = asyncio.get_running_loop()
+    try:
+        ended = False
+        while not ended:
+            item = await queue.get()
+            if item is _END:
+                return
+            batch, deadline = [item], loop.time() + interval_s
+            while (left := deadline - loop.time()) > 0:
+                try:
+                    item = await asyncio.wait_for(queue.get(), left)
+                except TimeoutError:
+                    break
+                if item is _END:
+                    ended = True
+                    break
+                batch.append(item)
+            for failure in (x for x in batch if isinstance(x, Exception)):
+                raise failure
+            yield "".join(batch)
+    finally:
+        pumping.cancel()
+
+
+def openai_error(message: str, status_code: int, err_type: str) -> JSONResponse:
+    body = ErrorResponse(error=ErrorInfo(message=message, type=err_type, code=status_code))
+    return JSONResponse(body.model_dump(), status_code=status_code)
+
+
+def vllm_frontend_args(engine_kwargs: dict[str, Any]) -> argparse.Namespace:
+    """The flat namespace `vllm serve` would have parsed for these engine kwargs."""
+    engine_args = AsyncEngineArgs(**engine_kwargs)
+    return argparse.Namespace(**(vars(FrontendArgs()) | vars(engine_args)))
+
+
+async def build_openai_app(engine, engine_kwargs: dict[str, Any], *,
+                           status: Callable[[], Awaitable[dict]],
+                           metrics: Callable[[], bytes],
+                           stream_batching_interval_s: float = 0.0) -> FastAPI:
+    app = FastAPI(title="spyre_serve", docs_url=None, redoc_url=None)
+    await init_app_state(engine, app.state, vllm_frontend_args(engine_kwargs),
+                         supported_tasks=await engine.get_supported_tasks())
+    # vLLM's engine-error handler asks a uvicorn server to exit; here Serve's health check
+    # replaces a dead replica instead, but the handler still needs something to set.
+    app.state.server = types.SimpleNamespace()
+    init_exception_handler(app)
+    state = app.state
+
+    def respond(result) -> Response:
+        if isinstance(result, ErrorResponse):
+            return JSONResponse(result.model_dump(), status_code=result.error.code)
+        if isinstance(result, BaseModel):
+            return JSONResponse(result.model_dump())
+        return StreamingResponse(coalesce(result, stream_batching_interval_s),
+                                 media_type="text/event-stream")
+
+    @app.get("/v1/models")
+    async def list_models():
+        return JSONResponse((await state.openai_serving_models.show_available_models()).model_dump())
+
+    @app.post("/v1/completions", dependencies=[Depends(validate_json_request)])
+    @with_cancellation
+    async def create_completion(request: CompletionRequest, raw_request: Request):
+        return respond(await state.openai_serving_completion.create_completion(request, raw_request))
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(validate_json_request)])
+    @with_cancellation
+    async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request):
+        return respond(await state.openai_serving_chat.create_chat_completion(request, raw_request))
+
+    @app.get("/health")
+    async def health():
+        try:
+            await engine.check_health()
+        except Exception as e:
+            return openai_error(f"engine is not running: {e}", 503, "ServiceUnavailableError")
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/spyre/status")
+    async def spyre_status():
+        return JSONResponse(_jsonable(await status()))
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        return Response(metrics(), media_type=PROMETHEUS_CONTENT_TYPE)
+
+    return app
+
+
+def _jsonable(value):
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return _jsonable(dataclasses.asdict(value))
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return value

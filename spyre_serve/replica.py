@@ -1,0 +1,111 @@
+"""The Serve replica: one vLLM engine on its own Spyre cards, serving the OpenAI API.
+
+Serve gives each replica a placement group (bundle 0 for this actor, one {"spyre": 1}
+bundle per TP rank) and captures child tasks into it. vLLM reads that placement group when
+it builds its config inside this actor and hands it to the EngineCore subprocess, whose Ray
+executor puts one card actor in each spyre bundle. The constructor returns only after
+the block handshake, so Serve routes nothing to a replica whose KV cache is not sized.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import logging
+import os
+import time
+
+import ray
+from ray import serve
+
+from spyre_serve.app import AppArgs
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_model_once_per_node(model: str) -> str:
+    """Build a builtin model at most once per node, even when replicas start together."""
+    from spyre_serve.models import CACHE_DIR, resolve
+    CACHE_DIR.mkdir(parents=True, exist_ok=True)
+    with open(CACHE_DIR / ".build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return resolve(model)
+
+
+@serve.deployment(name="SpyreLLM")
+@serve.ingress()
+class SpyreLLMServer:
+    async def __init__(self, app_args: dict):
+        from spyre_serve.engine import engine_kwargs, start_async_engine, summarize
+        from spyre_serve.openai_api import build_openai_app
+        from spyre_serve.serving_metrics import LatestSchedulerStats, ReplicaMetrics
+
+        started = time.monotonic()
+        self.args = AppArgs.model_validate(app_args)
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        # The EngineCore is a subprocess and a Ray driver of its own: point it at our cluster.
+        os.environ["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address
+        model_path = await asyncio.to_thread(resolve_model_once_per_node, self.args.model)
+        kwargs = engine_kwargs(**self.args.engine_kwargs_for(model_path))
+        self.latest_stats = LatestSchedulerStats()
+        try:
+            # In a thread, so this actor keeps answering Ray while the cards warm up.
+            self.engine = await asyncio.wait_for(
+                asyncio.to_thread(start_async_engine, kwargs, stat_loggers=[self.latest_stats]),
+                self.args.engine_start_timeout_s)
+        except TimeoutError:
+            raise RuntimeError(
+                f"the engine did not finish loading, warming up and sizing its KV cache within "
+                f"engine_start_timeout_s={self.args.engine_start_timeout_s}; raise it for "
+                "slow compiles") from None
+        self.handshake = summarize(await self.engine.collective_rpc("spyre_status"))
+        self.first_request_seconds = await self._first_request()
+        self.metrics = ReplicaMetrics(self.replica_id, self.args.model_name, self.kv_blocks)
+        self.api = await build_openai_app(
+            self.engine, kwargs, status=self.status, metrics=self.metrics.exposition,
+            stream_batching_interval_s=self.args.stream_batching_interval_ms / 1000)
+        self.ready_seconds = time.monotonic() - started
+        logger.info("replica %s ready in %.1f s: %d KV blocks of %d tokens per card "
+                    "(limited by rank %d)", self.replica_id, self.ready_seconds,
+                    self.handshake["num_blocks"], self.handshake["block_size"],
+                    self.handshake["limiting_rank"])
+
+    async def _first_request(self) -> float:
+        """One request through the serving path before Serve routes any.
+
+        Warmup drives each rank directly; the executor's own first step (vLLM's Ray
+        executor builds its compiled graph there) would otherwise land on a client.
+        """
+        from vllm import SamplingParams
+        started = time.monotonic()
+        params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+        async for _ in self.engine.generate({"prompt_token_ids": [1, 2, 3, 4]}, params,
+                                            request_id=f"spyre-first-{self.replica_id}"):
+            pass
+        return time.monotonic() - started
+
+    def __serve_build_asgi_app__(self):
+        return self.api
+
+    def kv_blocks(self) -> dict:
+        from spyre_serve.serving_metrics import kv_blocks
+        return kv_blocks(self.handshake["num_blocks"], self.handshake["usable_blocks"],
+                         self.latest_stats)
+
+    async def status(self) -> dict:
+        from spyre_serve.engine import summarize
+        # Asked again each time: the live KV shapes show what each card really holds.
+        live = summarize(await self.engine.collective_rpc("spyre_status"))
+        return {"replica": self.replica_id, "model": self.args.model_name,
+                "ready_seconds": self.ready_seconds,
+                "first_request_seconds": self.first_request_seconds, "kv_cache": self.kv_blocks(), **live}
+
+    async def check_health(self) -> None:
+        """Serve replaces the replica when this raises, e.g. once the EngineCore died."""
+        await self.engine.check_health()
+
+    def __del__(self):
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            with contextlib.suppress(Exception):
+                engine.shutdown()

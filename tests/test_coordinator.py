@@ -1,0 +1,55 @@
+"""The block-count decision, without an engine."""
+import pytest
+
+from spyre_serve.coordinator import NotEnoughBlocks, blocks_needed, decide, report_table
+
+
+def report(rank, num_blocks, device=None):
+    return {"rank": rank, "device": device or f"sim{rank}", "num_blocks": num_blocks,
+            "source": "simulated", "memory_budget_bytes": 2**26, "weights_bytes": 2**20,
+            "activation_peak_bytes": 2**21, "bytes_per_block": 2**16}
+
+
+def test_blocks_needed_rounds_up_to_whole_64_token_blocks():
+    assert blocks_needed(64) == 1
+    assert blocks_needed(65) == 2
+    assert blocks_needed(2048) == 32
+
+
+def test_minimum_over_ranks_wins_and_names_the_rank():
+    d = decide([report(0, 900), report(1, 300), report(2, 700)], max_model_len=1024)
+    assert (d.num_blocks, d.limiting_rank, d.usable_blocks) == (300, 1, 299)
+    assert [r["rank"] for r in d.reports] == [0, 1, 2]
+
+
+def test_override_wins_over_reports():
+    d = decide([report(0, 900), report(1, 300)], max_model_len=256, override=40)
+    assert d.num_blocks == 40 and d.override == 40
+
+
+def test_one_full_length_request_must_fit_after_the_null_block():
+    # 1024 tokens need 16 blocks; vLLM keeps one back, so 17 is the least that serves.
+    assert decide([report(0, 17)], max_model_len=1024).num_blocks == 17
+    with pytest.raises(NotEnoughBlocks) as e:
+        decide([report(0, 99), report(1, 16, device="sim5")], max_model_len=1024)
+    msg = str(e.value)
+    assert "Number of pages available on Spyre 15 is not enough" in msg
+    assert "need at least 16 pages" in msg
+    assert "rank 1 (card sim5" in msg
+    assert "max_model_len <= 960" in msg
+
+
+def test_override_too_small_fails_naming_the_override():
+    with pytest.raises(NotEnoughBlocks, match="num_gpu_blocks_override=3"):
+        decide([report(0, 99)], max_model_len=256, override=3)
+
+
+def test_reports_must_cover_each_rank_once():
+    with pytest.raises(RuntimeError, match="expected each of 0..1"):
+        decide([report(0, 9), report(0, 9)], max_model_len=64)
+
+
+def test_table_has_a_row_per_rank():
+    table = report_table([report(1, 5), report(0, 7)])
+    lines = table.splitlines()
+    assert len(lines) == 3 and lines[1].split()[0] == "0" and lines[2].split()[2] == "5"

@@ -1,0 +1,53 @@
+"""The card's KV-cache program against vLLM's own CPU kernel, and its compiled graph's reuse."""
+import pytest
+import torch
+from vllm import _custom_ops as ops
+
+from spyre_serve.attention import compiled_graphs, write_kv
+
+HEADS, BLOCK, HEAD = 2, 64, 32
+
+
+def vllm_write(kv, key, value, slots):
+    num_blocks = kv.shape[0]
+    key_cache, value_cache = kv.view(num_blocks, HEADS, BLOCK * 2, HEAD).chunk(2, dim=2)
+    ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slots, "vec",
+                                   k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
+
+
+def step(num_blocks, num_tokens, seed):
+    g = torch.Generator().manual_seed(seed)
+    key = torch.randn(num_tokens, HEADS, HEAD, generator=g)
+    value = torch.randn(num_tokens, HEADS, HEAD, generator=g)
+    slots = torch.randperm(num_blocks * BLOCK, generator=g)[:num_tokens]
+    return key, value, slots
+
+
+@pytest.mark.parametrize("num_blocks,num_tokens", [(4, 1), (4, 100), (37, 3)])
+def test_layout_matches_vllm_cpu_kernel(num_blocks, num_tokens):
+    ours = torch.zeros(num_blocks, HEADS, BLOCK, 2 * HEAD)
+    theirs = ours.clone()
+    key, value, slots = step(num_blocks, num_tokens, seed=num_tokens)
+    write_kv(ours, key, value, slots)
+    vllm_write(theirs, key, value, slots)
+    assert torch.equal(ours, theirs)
+    assert ours.abs().sum() > 0
+
+
+def test_resizing_the_cache_reuses_the_graph_compiled_on_4_blocks():
+    program = torch.compile(write_kv, backend="inductor", dynamic=False)
+    shapes = [(4, 10), (4, 7), (613, 5), (40, 64)]  # warmup, warmup, resized..., resized
+    before = compiled_graphs()
+    for i, (num_blocks, num_tokens) in enumerate(shapes):
+        kv = torch.zeros(num_blocks, HEADS, BLOCK, 2 * HEAD)
+        reference = kv.clone()
+        key, value, slots = step(num_blocks, num_tokens, seed=i)
+        for t, dim in ((kv, 0), (key, 0), (value, 0), (slots, 0)):
+            torch._dynamo.mark_dynamic(t, dim)
+        program(kv, key, value, slots)
+        vllm_write(reference, key, value, slots)
+        assert torch.equal(kv, reference)
+        if i == 0:
+            after_warmup = compiled_graphs()
+    assert after_warmup == before + 1
+    assert compiled_graphs() == after_warmup
