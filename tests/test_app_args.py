@@ -1,0 +1,113 @@
+"""The Serve app's arguments and the options they become; no engine, no Ray cluster."""
+import asyncio
+
+import pytest
+import yaml
+from pydantic import ValidationError
+from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
+
+from deployments.openai_app import build_app
+from spyre_serve.app import AppArgs
+from spyre_serve.cli import config_uses_demo_model, discover_cards, start_command
+from spyre_serve.openai_api import coalesce
+
+
+def test_unknown_field_is_named_by_serves_own_builder_path():
+    # The function `serve run` calls to turn `args:` into the builder's pydantic model.
+    with pytest.raises(ValidationError) as err:
+        call_user_app_builder_with_args_if_necessary(build_app, {"max_num_seq": 4})
+    assert "max_num_seq" in str(err.value)
+    assert "Extra inputs are not permitted" in str(err.value)
+
+
+@pytest.mark.parametrize("args, named", [
+    ({"backend": "gpu"}, "backend"),
+    ({"tensor_parallel_size": 0}, "tensor_parallel_size"),
+    ({"card_memory_bytes": -1}, "card_memory_bytes"),
+    ({"engine_kwargs": {"not_a_vllm_arg": 1}}, "not_a_vllm_arg"),
+    ({"engine_kwargs": {"max_model_len": 64}}, "max_model_len"),
+    ({"engine_kwargs": {"distributed_executor_backend": "mp"}}, "distributed_executor_backend"),
+    ({"num_replicas": 2, "autoscaling_config": {"max_replicas": 2}}, "autoscaling_config"),
+    ({"tensor_parallel_size": 2, "card_memory_bytes": [1, 2, 3]}, "card_memory_bytes"),
+])
+def test_invalid_args_name_the_field(args, named):
+    with pytest.raises(ValidationError) as err:
+        AppArgs.model_validate(args)
+    assert named in str(err.value)
+
+
+def test_replica_reserves_its_actor_bundle_and_one_card_per_rank():
+    options = AppArgs(tensor_parallel_size=4, replica_num_cpus=0.5).deployment_options()
+    assert options["placement_group_bundles"] == [{"CPU": 0.5}] + [{"spyre": 1}] * 4
+    assert options["placement_group_strategy"] == "STRICT_PACK"
+    # The replica actor lives in bundle 0, so it may ask for no more than that bundle holds.
+    assert options["ray_actor_options"] == {"num_cpus": 0.5}
+    assert options["num_replicas"] == 1
+
+
+def test_autoscaling_config_is_passed_through_instead_of_num_replicas():
+    scaling = {"min_replicas": 1, "max_replicas": 3, "target_ongoing_requests": 2}
+    options = AppArgs(autoscaling_config=scaling).deployment_options()
+    assert options["autoscaling_config"] == scaling
+    assert "num_replicas" not in options
+
+
+def test_builder_applies_the_options_to_the_deployment():
+    app = call_user_app_builder_with_args_if_necessary(
+        build_app, {"tensor_parallel_size": 2, "max_ongoing_requests": 7,
+                    "health_check_timeout_s": 99})
+    deployment = app._bound_deployment
+    assert deployment._deployment_config.max_ongoing_requests == 7
+    assert deployment._deployment_config.health_check_timeout_s == 99
+    assert deployment._replica_config.placement_group_bundles == \
+        [{"CPU": 1.0}, {"spyre": 1}, {"spyre": 1}]
+
+
+def test_engine_kwargs_carry_model_names_budgets_and_pass_through():
+    args = AppArgs(model="builtin:tiny-llama", card_memory_bytes=[2**30, 2**29],
+                   tensor_parallel_size=2, engine_kwargs={"seed": 7})
+    kwargs = args.engine_kwargs_for("/models/tiny")
+    assert kwargs["model"] == "/models/tiny"
+    assert kwargs["served_model_name"] == ["tiny-llama"]
+    assert kwargs["spyre"] == {"backend": "cpu", "card_memory_bytes": [2**30, 2**29]}
+    assert kwargs["seed"] == 7
+    assert AppArgs(served_model_name="x").model_name == "x"
+
+
+def test_repo_serve_config_is_valid_and_uses_the_demo_model():
+    config = yaml.safe_load(open("serve_config.yaml"))
+    (app,) = config["applications"]
+    assert app["import_path"] == "deployments.openai_app:build_app"
+    args = AppArgs.model_validate(app["args"])
+    assert args.model == "builtin:smollm2-135m-instruct" and args.backend == "cpu"
+    assert config_uses_demo_model(__import__("pathlib").Path("serve_config.yaml"))
+
+
+def test_card_discovery_counts_spyre_pci_functions_only(tmp_path):
+    for name, vendor, device in [("0000:01:00.0", "0x1014", "0x06a7"),
+                                 ("0000:02:00.0", "0x1014", "0x06a7"),
+                                 ("0000:03:00.0", "0x8086", "0x06a7")]:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "vendor").write_text(vendor + "\n")
+        (tmp_path / name / "device").write_text(device + "\n")
+    assert discover_cards(tmp_path) == 2
+    assert discover_cards(tmp_path / "absent") == 0
+    assert '--resources={"spyre": 3}' in start_command(3, None, 6379)
+
+
+async def _chunks(delays):
+    for i, delay in enumerate(delays):
+        await asyncio.sleep(delay)
+        yield f"data: {i}\n\n"
+
+
+def test_stream_interval_zero_forwards_each_chunk():
+    async def collect():
+        return [c async for c in coalesce(_chunks([0, 0, 0]), 0)]
+    assert asyncio.run(collect()) == ["data: 0\n\n", "data: 1\n\n", "data: 2\n\n"]
+
+
+def test_stream_interval_coalesces_close_chunks_but_not_late_ones():
+    async def collect():
+        return [c async for c in coalesce(_chunks([0, 0, 0.3]), 0.1)]
+    assert asyncio.run(collect()) == ["data: 0\n\ndata: 1\n\n", "data: 2\n\n"]
