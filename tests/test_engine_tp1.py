@@ -1,0 +1,47 @@
+"""The real engine on one simulated card: outputs, override, preemption, no recompile."""
+import pytest
+
+from conftest import MiB, shutdown_llm
+from engine_helpers import (MAX_MODEL_LEN, PROMPTS, assert_nothing_compiled_since_warmup, greedy,
+                            hf_greedy, metric, token_ids)
+from spyre_serve.engine import engine_kwargs, start_llm, summarize
+
+@pytest.fixture(scope="module")
+def tp1(ray_cluster, tiny_model):
+    # 10 blocks (9 usable) hold 2 sequences at full length: 8 at once must be preempted.
+    llm = start_llm(engine_kwargs(tiny_model, max_model_len=MAX_MODEL_LEN, max_num_seqs=8,
+                                  num_gpu_blocks_override=10,
+                                  spyre={"card_memory_bytes": 64 * MiB}))
+    yield llm
+    shutdown_llm(llm)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model):
+    return hf_greedy(tiny_model, PROMPTS[:3], 12)
+
+
+def test_tp1_greedy_equals_transformers(tp1, reference):
+    assert token_ids(tp1.generate(PROMPTS[:3], greedy(12))) == reference
+
+
+def test_override_wins_and_is_recorded(tp1):
+    status = summarize(tp1.collective_rpc("spyre_status"))
+    assert status["override"] == 10 and status["num_blocks"] == 10
+    assert status["reports"][0]["num_blocks"] > 10  # the card could hold more
+    assert {s[0] for s in status["ranks"][0]["kv_cache_shapes"]} == {10}
+
+
+def test_more_sequences_than_blocks_all_finish_through_preemption(tp1, tiny_model):
+    max_tokens = MAX_MODEL_LEN - 20  # every sequence ends near full length: 4 blocks each
+    preempted_before = metric(tp1, "vllm:num_preemptions")
+    together = token_ids(tp1.generate(PROMPTS, greedy(max_tokens)))
+    assert metric(tp1, "vllm:num_preemptions") > preempted_before
+    one_by_one = [token_ids(tp1.generate([p], greedy(max_tokens)))[0] for p in PROMPTS[:3]]
+    assert together[:3] == one_by_one
+    assert all(len(t) == max_tokens for t in together)
+    assert metric(tp1, "vllm:kv_cache_usage_perc") == 0.0  # every block is free again
+
+
+def test_serving_after_the_resize_compiles_nothing(tp1):
+    assert_nothing_compiled_since_warmup(tp1)

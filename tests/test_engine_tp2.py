@@ -1,0 +1,45 @@
+"""The real engine on two simulated cards of different budgets: one Ray actor per card."""
+import pytest
+
+from conftest import MiB, shutdown_llm
+from engine_helpers import (MAX_MODEL_LEN, PROMPTS, assert_nothing_compiled_since_warmup, greedy,
+                            hf_greedy, token_ids)
+from spyre_serve.engine import engine_kwargs, start_llm, summarize
+
+@pytest.fixture(scope="module")
+def tp2(ray_cluster, tiny_model):
+    llm = start_llm(engine_kwargs(tiny_model, tensor_parallel_size=2, max_model_len=MAX_MODEL_LEN,
+                                  max_num_seqs=4,
+                                  spyre={"card_memory_bytes": [96 * MiB, 64 * MiB]}))
+    yield llm
+    shutdown_llm(llm)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model):
+    return hf_greedy(tiny_model, PROMPTS[:3], 12)
+
+
+def test_tp2_greedy_equals_transformers(tp2, reference):
+    assert token_ids(tp2.generate(PROMPTS[:3], greedy(12))) == reference
+
+
+def test_tp2_every_rank_resized_to_the_smallest_report(tp2):
+    status = summarize(tp2.collective_rpc("spyre_status"))
+    by_rank = {r["rank"]: r for r in status["reports"]}
+    assert by_rank[0]["memory_budget_bytes"] == 96 * MiB
+    assert by_rank[1]["memory_budget_bytes"] == 64 * MiB
+    assert by_rank[0]["num_blocks"] > by_rank[1]["num_blocks"]
+    assert status["num_blocks"] == by_rank[1]["num_blocks"] and status["limiting_rank"] == 1
+    assert len(status["ranks"]) == 2
+    for rank in status["ranks"]:
+        # every layer's cache on every actor: [num_blocks, kv_heads, 64, 2 * head_size]
+        assert {shape[0] for shape in rank["kv_cache_shapes"]} == {status["num_blocks"]}
+        assert {shape[2] for shape in rank["kv_cache_shapes"]} == {64}
+        # warmup ran on exactly 4 blocks
+        assert {shape[0] for shape in rank["warmup"]["kv_cache_shapes"]} == {4}
+    assert {r["device"] for r in status["ranks"]} == {r["device"] for r in status["reports"]}
+
+
+def test_serving_after_the_resize_compiles_nothing(tp2):
+    assert_nothing_compiled_since_warmup(tp2)

@@ -1,0 +1,189 @@
+"""The Serve app end to end: real Ray Serve, vLLM engine, HTTP on 127.0.0.1, openai client.
+
+One app for the whole module (engine start is the slow part): a 2-card replica whose
+simulated cards have different budgets, so the handshake has a limiting rank to show.
+"""
+import os
+import socket
+import time
+
+import httpx
+import openai
+import pytest
+
+MiB = 2**20
+MODEL = "tiny-test"
+MAX_MODEL_LEN = 256
+BUDGETS = [256 * MiB, 160 * MiB]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(ray_cluster, tiny_model):
+    from ray import serve
+
+    from deployments.openai_app import build_app
+    from spyre_serve.app import AppArgs
+
+    port = _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    args = AppArgs(model=tiny_model, served_model_name=MODEL, tensor_parallel_size=2,
+                   card_memory_bytes=BUDGETS, max_model_len=MAX_MODEL_LEN, max_num_seqs=4,
+                   replica_num_cpus=0.5)
+    started = time.monotonic()
+    serve.run(build_app(args), name="openai-test", route_prefix="/")
+    print(f"serve.run -> ready: {time.monotonic() - started:.1f} s")
+    yield f"http://127.0.0.1:{port}"
+    serve.delete("openai-test")
+    serve.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", timeout=300, max_retries=0)
+
+
+def test_models_lists_the_served_name(client):
+    (model,) = client.models.list().data
+    assert model.id == MODEL
+
+
+def test_completion(client):
+    result = client.completions.create(model=MODEL, prompt="the quick brown", max_tokens=3,
+                                       extra_body={"ignore_eos": True})
+    assert result.usage.completion_tokens == 3
+    assert isinstance(result.choices[0].text, str)
+    assert result.choices[0].finish_reason == "length"
+
+
+def test_chat_completion(client):
+    result = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hello"}], max_tokens=3,
+        extra_body={"ignore_eos": True})
+    assert result.choices[0].message.role == "assistant"
+    assert isinstance(result.choices[0].message.content, str)
+    assert result.usage.completion_tokens == 3
+
+
+def test_chat_streams_each_token_as_its_own_event(client):
+    stream = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4, stream=True,
+        logprobs=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    usage, tokens_per_event = None, []
+    for chunk in stream:
+        if chunk.usage:
+            usage = chunk.usage
+        # Logprobs name each token an event carries, even one that decodes to no text.
+        if chunk.choices and chunk.choices[0].logprobs and chunk.choices[0].logprobs.content:
+            tokens_per_event.append(len(chunk.choices[0].logprobs.content))
+    assert usage.completion_tokens == 4
+    # With no batching interval every generated token is its own SSE event.
+    assert tokens_per_event == [1, 1, 1, 1]
+
+
+def test_completion_streams(client):
+    texts = [c.choices[0].text for c in client.completions.create(
+        model=MODEL, prompt="the lazy dog", max_tokens=3, stream=True,
+        extra_body={"ignore_eos": True}) if c.choices]
+    assert len([t for t in texts if t]) == 3
+
+
+def _assert_openai_error(response: httpx.Response, status: int) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) >= {"message", "type", "param", "code"}
+    assert error["code"] == status and error["message"]
+    return error
+
+
+@pytest.mark.parametrize("body, status, says", [
+    ({"model": "no-such-model", "prompt": "hi", "max_tokens": 2}, 404, "no-such-model"),
+    ({"model": MODEL, "prompt": "the quick brown fox " * 120, "max_tokens": 2}, 400,
+     str(MAX_MODEL_LEN)),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": 2, "temperature": -1}, 400, "temperature"),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": -5}, 400, "max_tokens"),
+    ({"model": MODEL}, 400, "prompt"),
+])
+def test_bad_completion_requests_get_openai_errors(server, body, status, says):
+    error = _assert_openai_error(httpx.post(f"{server}/v1/completions", json=body, timeout=60),
+                                 status)
+    assert says in error["message"] or says in str(error["param"])
+
+
+def test_malformed_json_gets_an_openai_error(server):
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        response = httpx.post(f"{server}{path}", content=b'{"model": ',
+                              headers={"content-type": "application/json"}, timeout=60)
+        _assert_openai_error(response, 400)
+
+
+def test_bad_chat_request_gets_an_openai_error(server):
+    response = httpx.post(f"{server}/v1/chat/completions", timeout=60,
+                          json={"model": MODEL, "messages": "not a list"})
+    _assert_openai_error(response, 400)
+
+
+def test_server_stays_healthy_after_bad_requests(server, client):
+    # Runs after the bad-request tests (file order): the replica took them all.
+    assert httpx.get(f"{server}/health", timeout=30).json() == {"status": "ok"}
+    result = client.completions.create(model=MODEL, prompt="still here", max_tokens=2,
+                                       extra_body={"ignore_eos": True})
+    assert result.usage.completion_tokens == 2
+
+
+def test_status_shows_per_rank_reports_and_the_chosen_block_count(server):
+    status = httpx.get(f"{server}/spyre/status", timeout=60).json()
+    reports = status["reports"]
+    assert [r["rank"] for r in reports] == [0, 1]
+    assert [r["memory_budget_bytes"] for r in reports] == BUDGETS
+    assert status["limiting_rank"] == 1
+    assert status["num_blocks"] == min(r["num_blocks"] for r in reports) == reports[1]["num_blocks"]
+    # Every card really holds the chosen number of blocks, not the 4 of warmup.
+    for rank in status["ranks"]:
+        assert {tuple(s)[0] for s in rank["kv_cache_shapes"]} == {status["num_blocks"]}
+        assert {tuple(s)[0] for s in rank["warmup"]["kv_cache_shapes"]} == {4}
+    kv = status["kv_cache"]
+    assert kv["num_blocks"] == status["num_blocks"]
+    assert kv["usable_blocks"] == status["num_blocks"] - 1
+    assert 0 <= kv["used_blocks"] <= kv["usable_blocks"]
+
+
+def test_metrics_expose_spyre_and_vllm_kv_figures(server):
+    text = httpx.get(f"{server}/metrics", timeout=30).text
+    status = httpx.get(f"{server}/spyre/status", timeout=60).json()
+    replica = status["replica"]
+    assert f'spyre_kv_blocks_total{{model_name="{MODEL}",replica="{replica}"}} ' \
+           f'{float(status["num_blocks"])}' in text
+    assert "spyre_kv_blocks_used{" in text
+    for vllm_metric in ("vllm:kv_cache_usage_perc", "vllm:num_preemptions_total",
+                        "vllm:time_to_first_token_seconds_bucket",
+                        "vllm:generation_tokens_total", "vllm:prompt_tokens_total"):
+        assert f'{vllm_metric}{{' in text, vllm_metric
+    generated = [line for line in text.splitlines()
+                 if line.startswith("vllm:generation_tokens_total{")]
+    assert float(generated[0].rsplit(" ", 1)[1]) > 0
+
+
+def test_card_actors_run_in_the_replicas_placement_group(server, ray_cluster):
+    from ray.util.state import list_actors
+    alive = [("state", "=", "ALIVE")]
+    (replica,) = [a for a in list_actors(filters=alive, detail=True)
+                  if a.class_name.startswith("ServeReplica:openai-test")]
+    cards = [a for a in list_actors(filters=alive + [("class_name", "=", "SpyreRayWorkerWrapper")],
+                                    detail=True)
+             if a.placement_group_id == replica.placement_group_id]
+    assert replica.placement_group_id and len(cards) == 2
+    table = ray_cluster.util.placement_group_table()[replica.placement_group_id]
+    assert table["strategy"] == "STRICT_PACK"
+    assert list(table["bundles"].values()) == [{"CPU": 0.5}, {"spyre": 1.0}, {"spyre": 1.0}]
+
+
+def test_health_is_ok(server):
+    response = httpx.get(f"{server}/health", timeout=30)
+    assert response.status_code == 200
+    assert os.environ.get("RAY_ADDRESS")  # the engine subprocesses found the cluster this way
