@@ -96,7 +96,9 @@ class SpyreLLMServer:
         from spyre_serve.engine import summarize
         # Asked again each time: the live KV shapes show what each card really holds.
         live = summarize(await self.engine.collective_rpc("spyre_status"))
+        group = ray.util.get_current_placement_group()
         return {"replica": self.replica_id, "model": self.args.model_name,
+                "placement_group": group.id.hex() if group else None,
                 "ready_seconds": self.ready_seconds,
                 "first_request_seconds": self.first_request_seconds, "kv_cache": self.kv_blocks(), **live}
 

@@ -87,10 +87,10 @@ def test_chat_streams_each_token_as_its_own_event(client):
 
 
 def test_completion_streams(client):
-    texts = [c.choices[0].text for c in client.completions.create(
-        model=MODEL, prompt="the lazy dog", max_tokens=3, stream=True,
-        extra_body={"ignore_eos": True}) if c.choices]
-    assert len([t for t in texts if t]) == 3
+    tokens_per_event = [len(c.choices[0].logprobs.tokens) for c in client.completions.create(
+        model=MODEL, prompt="the lazy dog", max_tokens=3, stream=True, logprobs=1,
+        extra_body={"ignore_eos": True}) if c.choices and c.choices[0].logprobs]
+    assert tokens_per_event == [1, 1, 1]
 
 
 def _assert_openai_error(response: httpx.Response, status: int) -> dict:
@@ -170,17 +170,16 @@ def test_metrics_expose_spyre_and_vllm_kv_figures(server):
 
 
 def test_card_actors_run_in_the_replicas_placement_group(server, ray_cluster):
-    from ray.util.state import list_actors
-    alive = [("state", "=", "ALIVE")]
-    (replica,) = [a for a in list_actors(filters=alive, detail=True)
-                  if a.class_name.startswith("ServeReplica:openai-test")]
-    cards = [a for a in list_actors(filters=alive + [("class_name", "=", "SpyreRayWorkerWrapper")],
-                                    detail=True)
-             if a.placement_group_id == replica.placement_group_id]
-    assert replica.placement_group_id and len(cards) == 2
-    table = ray_cluster.util.placement_group_table()[replica.placement_group_id]
+    pg = httpx.get(f"{server}/spyre/status", timeout=60).json()["placement_group"]
+    table = ray_cluster.util.placement_group_table()[pg]
     assert table["strategy"] == "STRICT_PACK"
     assert list(table["bundles"].values()) == [{"CPU": 0.5}, {"spyre": 1.0}, {"spyre": 1.0}]
+    # Both spyre bundles of the replica's group are taken: the card actors run in them.
+    assert ray_cluster.cluster_resources()[f"spyre_group_{pg}"] == 2
+    deadline = time.monotonic() + 30
+    while ray_cluster.available_resources().get(f"spyre_group_{pg}", 0) != 0:
+        assert time.monotonic() < deadline, ray_cluster.available_resources()
+        time.sleep(0.5)
 
 
 def test_health_is_ok(server):
