@@ -1,0 +1,47 @@
+"""Startup faults fail with a message naming the cause, and leave nothing running."""
+import time
+
+import pytest
+
+from conftest import MiB
+from spyre_serve.engine import SpyreStartupError, engine_kwargs, start_llm
+
+
+def assert_nothing_left(ray, timeout=60):
+    """Every card is free again and no placement group of the failed engine survives it."""
+    deadline = time.monotonic() + timeout
+    while True:
+        free = ray.available_resources().get("spyre", 0)
+        groups = [g for g in ray.util.placement_group_table().values()
+                  if g["state"] != "REMOVED"]
+        if free == ray.cluster_resources()["spyre"] and not groups:
+            return
+        if time.monotonic() > deadline:
+            pytest.fail(f"left running: {free} spyre free; placement groups {groups}")
+        time.sleep(0.5)
+
+
+def start(tiny_model, tp=1, **spyre):
+    return start_llm(engine_kwargs(tiny_model, tensor_parallel_size=tp, max_model_len=256,
+                                   max_num_seqs=2, spyre={"card_memory_bytes": 64 * MiB, **spyre}))
+
+
+def test_card_too_small_names_the_rank_and_the_fix(ray_cluster, tiny_model):
+    with pytest.raises(SpyreStartupError) as e:
+        start(tiny_model, tp=2, card_memory_bytes=[64 * MiB, 1 * MiB])
+    msg = str(e.value)
+    assert "NotEnoughBlocks" in msg and "is not enough to serve the current model" in msg
+    assert "need at least 4 pages" in msg and "rank 1 (card sim" in msg
+    assert "card_memory_bytes" in msg
+    assert_nothing_left(ray_cluster)
+
+
+@pytest.mark.parametrize("fault,words", [("missing", "is missing"), ("corrupt", "is corrupt"),
+                                         ("stale", "is stale")])
+def test_bad_report_names_the_file(ray_cluster, tiny_model, tmp_path, fault, words):
+    with pytest.raises(SpyreStartupError) as e:
+        start(tiny_model, report_dir=str(tmp_path), simulated_report_fault={0: fault})
+    msg = str(e.value)
+    assert "ReportError" in msg and words in msg
+    assert str(tmp_path / "sim") in msg and ".json" in msg
+    assert_nothing_left(ray_cluster)
