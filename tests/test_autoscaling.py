@@ -1,0 +1,270 @@
+"""Autoscaling on `spyre` demand, on Ray's fake multi-node autoscaler.
+
+The head declares no cards; the only worker node type declares one. Serve starts the
+first replica, whose placement group cannot be placed until the autoscaler adds a node;
+load makes Serve ask for a second replica and the autoscaler a second node, where the
+new replica runs its own block handshake and serves; without load both scale back down.
+
+`ray.cluster_utils.AutoscalingCluster` cannot be used as it is with this Ray wheel: it
+reads `autoscaler/_private/fake_multi_node/example.yaml`, which the wheel does not ship,
+and its start() runs `ray stop --force`, which would kill every other Ray on the machine.
+So the same fake provider is started here with `ray start --head --block`, in a temp dir
+of its own (other local clusters never see it), and stopped by that process alone.
+"""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+MiB = 2**20
+APP = "autoscale"
+NODE_TYPE = "spyre.worker"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def fake_autoscaling_config(head_cpus: int, worker_resources: dict, max_workers: int) -> dict:
+    return {
+        "cluster_name": "spyre-fake",
+        "max_workers": max_workers,
+        "provider": {"type": "fake_multinode", "use_node_id_as_ip": True,
+                     "disable_node_updaters": True, "disable_launch_config_check": True},
+        "available_node_types": {
+            "ray.head.default": {"resources": {"CPU": head_cpus}, "node_config": {},
+                                 "max_workers": 0},
+            NODE_TYPE: {"resources": worker_resources, "node_config": {},
+                        "min_workers": 0, "max_workers": max_workers},
+        },
+        "head_node_type": "ray.head.default",
+        "upscaling_speed": 1.0,
+        # An idle node (no resources in use) is given back after 6 s.
+        "idle_timeout_minutes": 0.1,
+        **{key: {} for key in ("auth", "docker", "file_mounts")},
+        **{key: [] for key in ("initialization_commands", "setup_commands",
+                               "head_setup_commands", "worker_setup_commands",
+                               "head_start_ray_commands", "worker_start_ray_commands",
+                               "cluster_synced_files", "rsync_exclude", "rsync_filter")},
+        "file_mounts_sync_continuously": False,
+    }
+
+
+def wait_for(what: str, condition, timeout: float, interval: float = 1.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(interval)
+
+
+class FakeAutoscalingCluster:
+    def __init__(self, root: Path, worker_resources: dict, max_workers: int):
+        self.root = root
+        self.port = _free_port()
+        self.config = root / "autoscaling.json"
+        self.config.write_text(json.dumps(
+            fake_autoscaling_config(1, worker_resources, max_workers)))
+        self.process = None
+
+    def start(self) -> str:
+        env = {**os.environ, "RAY_FAKE_CLUSTER": "1", "AUTOSCALER_UPDATE_INTERVAL_S": "1",
+               "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+        env.pop("RAY_ADDRESS", None)
+        self.process = subprocess.Popen(
+            ["ray", "start", "--head", "--block", f"--port={self.port}", "--num-cpus=1",
+             f"--autoscaling-config={self.config}", f"--temp-dir={self.root / 'ray'}",
+             "--include-dashboard=false", "--disable-usage-stats"],
+            env=env, stdout=open(self.root / "head.log", "w"), stderr=subprocess.STDOUT,
+            start_new_session=True)
+        return f"127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            self.process.wait(timeout=120)
+        # Fake worker nodes are processes of the head's monitor; any it left behind carry
+        # this cluster's own temp dir on their command line, and only they do.
+        marker = str(self.root / "ray")
+        for proc in Path("/proc").iterdir():
+            if proc.name.isdigit():
+                try:
+                    if marker.encode() in (proc / "cmdline").read_bytes():
+                        os.kill(int(proc.name), signal.SIGKILL)
+                except (OSError, ProcessLookupError):
+                    pass
+
+
+@pytest.fixture(scope="module")
+def autoscaling_cluster(tiny_model):
+    import ray
+    if ray.is_initialized():
+        pytest.fail("this module needs a Ray driver of its own: run it in its own pytest "
+                    "process (or before modules that use the ray_cluster fixture)")
+    root = Path(tempfile.mkdtemp(prefix="sas-", dir="/tmp"))
+    cluster = FakeAutoscalingCluster(root, {"CPU": 1, "spyre": 1}, max_workers=2)
+    address = cluster.start()
+    try:
+        wait_for("the fake head to accept drivers", lambda: _try_connect(ray, address), 120, 2)
+        yield ray
+    finally:
+        ray.shutdown()
+        cluster.stop()
+
+
+def _try_connect(ray, address: str) -> bool:
+    try:
+        ray.init(address=address, log_to_driver=False)
+        return True
+    except (ConnectionError, RuntimeError):
+        return False
+
+
+def worker_nodes(ray) -> int:
+    return sum(1 for n in ray.nodes() if n["Alive"] and n["Resources"].get("spyre", 0) > 0)
+
+
+def running_replicas(serve) -> int:
+    app = serve.status().applications.get(APP)
+    if app is None or "SpyreLLM" not in app.deployments:
+        return 0
+    return app.deployments["SpyreLLM"].replica_states.get("RUNNING", 0)
+
+
+def pending_spyre_groups(ray) -> int:
+    return sum(1 for pg in ray.util.placement_group_table().values()
+               if pg["state"] == "PENDING"
+               and any("spyre" in b for b in pg["bundles"].values()))
+
+
+class Load:
+    """Keeps `concurrency` completions in flight until stopped."""
+
+    def __init__(self, url: str, model: str, concurrency: int):
+        self.url, self.model, self.stop_event = url, model, threading.Event()
+        self.threads = [threading.Thread(target=self._run, daemon=True)
+                        for _ in range(concurrency)]
+        self.completed = 0
+
+    def _run(self):
+        with httpx.Client(timeout=300) as client:
+            while not self.stop_event.is_set():
+                r = client.post(f"{self.url}/v1/completions", json={
+                    "model": self.model, "prompt": "the quick brown fox", "max_tokens": 48,
+                    "ignore_eos": True})
+                if r.status_code == 200:
+                    self.completed += 1
+
+    def __enter__(self):
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop_event.set()
+        for t in self.threads:
+            t.join(timeout=300)
+
+
+def replica_generated_tokens(url: str) -> dict[str, float]:
+    """generation tokens per replica, from one scrape (Serve picks the replica)."""
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    replica = next(line.split('replica="')[1].split('"')[0] for line in text.splitlines()
+                   if line.startswith("spyre_kv_blocks_total{"))
+    tokens = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                 if line.startswith("vllm:generation_tokens_total{"))
+    return {replica: tokens}
+
+
+def test_load_adds_a_replica_on_a_new_spyre_node_then_scales_down(autoscaling_cluster,
+                                                                     tiny_model):
+    ray = autoscaling_cluster
+    from ray import serve
+
+    from deployments.openai_app import build_app
+    from spyre_serve.app import AppArgs
+
+    port = _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
+    url = f"http://127.0.0.1:{port}"
+    args = AppArgs(model=tiny_model, served_model_name="tiny", max_model_len=256,
+                   max_num_seqs=4, card_memory_bytes=256 * MiB, replica_num_cpus=0.5,
+                   autoscaling_config={"min_replicas": 1, "max_replicas": 2,
+                                       "target_ongoing_requests": 1,
+                                       "upscale_delay_s": 2, "downscale_delay_s": 10,
+                                       "look_back_period_s": 4, "metrics_interval_s": 1})
+    assert worker_nodes(ray) == 0, "the head must declare no spyre cards"
+    started = time.monotonic()
+    # The first replica too can only be placed once the autoscaler added a spyre node.
+    serve.run(build_app(args), name=APP, route_prefix="/", blocking=False)
+    wait_for("the first replica", lambda: running_replicas(serve) == 1, 900, 2)
+    print(f"first replica ready {time.monotonic() - started:.1f} s after serve.run")
+    assert worker_nodes(ray) == 1
+    first = httpx.get(f"{url}/spyre/status", timeout=60).json()["replica"]
+
+    timeline = {}
+    with Load(url, "tiny", concurrency=4) as load:
+        load_started = time.monotonic()
+        wait_for("a placement group waiting for spyre",
+                 lambda: pending_spyre_groups(ray) > 0 or worker_nodes(ray) == 2, 300, 0.5)
+        timeline["pending_or_node"] = time.monotonic() - load_started
+        wait_for("the autoscaler to add a second spyre node", lambda: worker_nodes(ray) == 2,
+                 300, 1)
+        timeline["second_node"] = time.monotonic() - load_started
+        wait_for("the second replica", lambda: running_replicas(serve) == 2, 900, 2)
+        timeline["second_replica_ready"] = time.monotonic() - load_started
+
+        def second_replica_served():
+            seen = replica_generated_tokens(url)
+            return {r: n for r, n in seen.items() if r != first and n > 0}
+        served = wait_for("the second replica to serve completions", second_replica_served,
+                          300, 0.5)
+        timeline["second_replica_served"] = time.monotonic() - load_started
+        (second,) = served
+    assert load.completed > 0
+    print("autoscale-up timeline (s since load began):", timeline)
+
+    # The new replica sized its own cards: its status carries its own handshake.
+    statuses = {}
+    wait_for("the status of both replicas", lambda: statuses.update(
+        {s["replica"]: s for s in [httpx.get(f"{url}/spyre/status", timeout=60).json()]})
+        or len(statuses) == 2, 120, 0.2)
+    for status in statuses.values():
+        assert [r["rank"] for r in status["reports"]] == [0]
+        assert status["reports"][0]["memory_budget_bytes"] == 256 * MiB
+        assert status["num_blocks"] == status["reports"][0]["num_blocks"]
+    assert statuses[first]["placement_group"] != statuses[second]["placement_group"]
+
+    load_stopped = time.monotonic()
+    wait_for("Serve to scale back to one replica", lambda: running_replicas(serve) == 1
+             and serve.status().applications[APP].deployments["SpyreLLM"].replica_states
+             == {"RUNNING": 1}, 300, 1)
+    timeline["down_to_one_replica"] = time.monotonic() - load_stopped
+    wait_for("the autoscaler to remove the idle node", lambda: worker_nodes(ray) == 1, 300, 1)
+    timeline["down_to_one_node"] = time.monotonic() - load_stopped
+    print("scale-down timeline (s since load stopped):", timeline)
+    response = httpx.post(f"{url}/v1/completions", timeout=120, json={
+        "model": "tiny", "prompt": "after scale down", "max_tokens": 2})
+    assert response.status_code == 200
+
+    serve.delete(APP)
+    wait_for("the last spyre node to go", lambda: worker_nodes(ray) == 0, 300, 1)
+    serve.shutdown()
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-s", "-q"]))
