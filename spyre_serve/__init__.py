@@ -2,15 +2,7 @@
 import logging
 
 
-def _log_like_vllm() -> None:
-    logger = logging.getLogger("spyre_serve")
-    if not logger.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s [spyre_serve %(module)s] "
-                                               "%(message)s", "%m-%d %H:%M:%S"))
-        logger.addHandler(handler)
-        logger.setLevel(logging.INFO)
-        logger.propagate = False
-
-
-_log_like_vllm()
+def get_logger(name: str) -> logging.Logger:
+    """Our loggers live under vLLM's, so they share its handler, format and level in every
+    process vLLM starts (engine core, Ray worker actors)."""
+    return logging.getLogger(f"vllm.{name}")

@@ -6,14 +6,18 @@ built during the 4-block warmup keeps serving after the coordinator resizes the 
 """
 from __future__ import annotations
 
-import logging
 from typing import Callable
 
 import torch
 from torch._dynamo.utils import counters
-from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
+from vllm.v1.attention.backends.cpu_attn import (
+    CPUAttentionBackend,
+    CPUAttentionBackendImpl,
+)
 
-logger = logging.getLogger(__name__)
+from spyre_serve import get_logger
+
+logger = get_logger(__name__)
 
 _program: Callable | None = None
 

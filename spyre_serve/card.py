@@ -7,17 +7,22 @@ from __future__ import annotations
 
 import fcntl
 import importlib
-import logging
 import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from spyre_serve.compiler_report import BlockReport, read_report, report_path, write_report
+from spyre_serve import get_logger
+from spyre_serve.compiler_report import (
+    BlockReport,
+    read_report,
+    report_path,
+    write_report,
+)
 from spyre_serve.settings import SpyreSettings
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 _CLAIM_DIR = Path(os.environ.get("TMPDIR", "/tmp")) / "spyre_serve" / "cards"
 _claimed: tuple[int, int] | None = None  # (card index, lock fd) of this process

@@ -5,13 +5,13 @@ warmup and broadcasts the decision back to them before the replica takes traffic
 """
 from __future__ import annotations
 
-import logging
 import math
 from dataclasses import asdict, dataclass, field
 
+from spyre_serve import get_logger
 from spyre_serve.compiler_report import BLOCK_SIZE
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 # vLLM's block pool keeps one block back as its null block: it never holds tokens.
 RESERVED_BLOCKS = 1

@@ -6,7 +6,6 @@ ask each card's compiler, size. The handshake sits where vLLM asks for available
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 
 import ray
@@ -14,11 +13,12 @@ import vllm.v1.executor.ray_executor as vllm_ray_executor
 from vllm.v1.executor.ray_executor import RayDistributedExecutor
 from vllm.v1.executor.ray_utils import RayWorkerWrapper
 
+from spyre_serve import get_logger
 from spyre_serve.card import claim_card
 from spyre_serve.coordinator import decide
 from spyre_serve.settings import SpyreSettings
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 
 class SpyreRayWorkerWrapper(RayWorkerWrapper):

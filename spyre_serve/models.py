@@ -5,14 +5,15 @@ Both are built once on this machine and cached outside the repository.
 from __future__ import annotations
 
 import importlib.util
-import logging
 import os
 import shutil
 import sys
 import time
 from pathlib import Path
 
-logger = logging.getLogger(__name__)
+from spyre_serve import get_logger
+
+logger = get_logger(__name__)
 
 CACHE_DIR = Path(os.environ.get("SPYRE_SERVE_CACHE", Path.home() / ".cache" / "spyre_serve"))
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"

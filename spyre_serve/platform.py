@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import os
 
-from vllm.logger import init_logger
 from vllm.platforms.cpu import CpuPlatform
 
+from spyre_serve import get_logger
 from spyre_serve.card import require_backend
 from spyre_serve.compiler_report import BLOCK_SIZE
 from spyre_serve.settings import SpyreSettings
 
-logger = init_logger(__name__)
+logger = get_logger(__name__)
 
 WORKER_CLS = "spyre_serve.worker.SpyreWorker"
 DISABLE_ENV = "SPYRE_SERVE_PLATFORM"
@@ -61,3 +61,11 @@ class SpyrePlatform(CpuPlatform):
         if parallel_config.worker_cls == "auto":
             parallel_config.worker_cls = WORKER_CLS
         super().check_and_update_config(vllm_config)
+        from spyre_serve.executor import SpyreRayExecutor
+        if parallel_config.distributed_executor_backend is not SpyreRayExecutor:
+            # Cards are Ray resources held by one actor each; any other executor would run
+            # ranks without a card (e.g. `vllm serve` with this plugin active).
+            logger.info("Spyre runs one Ray actor per card: using SpyreRayExecutor instead of "
+                        "distributed_executor_backend=%r",
+                        parallel_config.distributed_executor_backend)
+            parallel_config.distributed_executor_backend = SpyreRayExecutor

@@ -1,20 +1,23 @@
 """SpyreWorker: one tensor-parallel rank, living in the Ray actor that owns one card."""
 from __future__ import annotations
 
-import logging
 import os
 import time
 
 import torch
-from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups, get_kv_cache_groups
+from vllm.v1.core.kv_cache_utils import (
+    get_kv_cache_config_from_groups,
+    get_kv_cache_groups,
+)
 from vllm.v1.worker.cpu_worker import CPUWorker
 
 from spyre_serve import card as cards
+from spyre_serve import get_logger
 from spyre_serve.attention import compiled_graphs, install_kv_program
 from spyre_serve.settings import SpyreSettings
 from spyre_serve.warmup import WARMUP_BLOCKS, run_warmup
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 
 class SpyreWorker(CPUWorker):

@@ -1,0 +1,82 @@
+"""Engine start, warmup and block-report figures on simulated cards, for the closing note.
+
+    .venv/bin/python bench/engine_start.py [--models tiny smollm2] [--tp 1 2]
+
+Prints a table and writes bench/results/engine_start.json.
+"""
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+GiB = 2**30
+
+
+def measure(model_name: str, model_path: str, tp: int, max_model_len: int) -> dict:
+    from vllm import SamplingParams
+
+    from spyre_serve.engine import engine_kwargs, start_llm, summarize
+    started = time.perf_counter()
+    llm = start_llm(engine_kwargs(model_path, tensor_parallel_size=tp, max_model_len=max_model_len,
+                                  max_num_seqs=8, spyre={"card_memory_bytes": 2 * GiB}))
+    start_s = time.perf_counter() - started
+    t = time.perf_counter()
+    llm.generate(["Hello"], SamplingParams(max_tokens=1, temperature=0.0))
+    first_s = time.perf_counter() - t
+    status = summarize(llm.collective_rpc("spyre_status"))
+    llm.llm_engine.engine_core.shutdown()
+    return {
+        "model": model_name, "tp": tp, "max_model_len": max_model_len,
+        "engine_start_s": round(start_s, 2), "first_token_after_start_s": round(first_s, 3),
+        "num_blocks": status["num_blocks"], "limiting_rank": status["limiting_rank"],
+        "ranks": [{"rank": r["rank"], "device": r["device"],
+                   "warmup_s": round(r["warmup"]["seconds"], 2),
+                   "warmup_steps": r["warmup"]["steps"],
+                   "reported_blocks": rep["num_blocks"],
+                   "weights_MiB": round(rep["weights_bytes"] / 2**20, 1),
+                   "activation_peak_MiB": round(rep["activation_peak_bytes"] / 2**20, 1),
+                   "KiB_per_block": rep["bytes_per_block"] / 1024}
+                  for r, rep in zip(status["ranks"], status["reports"])],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--models", nargs="+", default=["tiny", "smollm2"])
+    parser.add_argument("--tp", nargs="+", type=int, default=[1, 2])
+    parser.add_argument("--out", default="bench/results/engine_start.json")
+    args = parser.parse_args()
+
+    import ray
+
+    from spyre_serve import models
+    paths = {"tiny": lambda: str(models.tiny_llama()), "smollm2": lambda: str(models.smollm2())}
+    ray.init(resources={"spyre": 8}, include_dashboard=False, log_to_driver=False)
+    os.environ["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address
+    results = []
+    for m in args.models:
+        path = paths[m]()
+        heads = json.loads((Path(path) / "config.json").read_text())["num_attention_heads"]
+        for tp in args.tp:
+            if heads % tp:
+                print(f"{m}: tensor_parallel_size={tp} is impossible ({heads} attention heads)")
+                continue
+            results.append(measure(m, path, tp, 1024 if m == "tiny" else 2048))
+    ray.shutdown()
+    print(f"{'model':>8} {'tp':>2} {'start s':>8} {'first s':>8} {'blocks':>7}  per-rank "
+          "(warmup s, reported blocks, weights MiB, activation MiB, KiB/block)")
+    for r in results:
+        ranks = "; ".join(f"r{x['rank']}: {x['warmup_s']}s {x['reported_blocks']} "
+                          f"{x['weights_MiB']} {x['activation_peak_MiB']} {x['KiB_per_block']:.0f}"
+                          for x in r["ranks"])
+        print(f"{r['model']:>8} {r['tp']:>2} {r['engine_start_s']:>8} "
+              f"{r['first_token_after_start_s']:>8} {r['num_blocks']:>7}  {ranks}")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"machine_cpus": os.cpu_count(), "results": results}, indent=1))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
