@@ -24,7 +24,7 @@ from spyre_serve.settings import SpyreSettings
 
 logger = get_logger(__name__)
 
-_CLAIM_DIR = Path(os.environ.get("TMPDIR", "/tmp")) / "spyre_serve" / "cards"
+_CLAIM_DIR = Path(os.environ.get("TMPDIR", "/tmp")) / "spyre-serve" / "cards"
 _claimed: tuple[int, int] | None = None  # (card index, lock fd) of this process
 
 

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-DEFAULT_REPORT_DIR = os.path.join(os.environ.get("TMPDIR", "/tmp"), "spyre_serve", "reports")
+DEFAULT_REPORT_DIR = os.path.join(os.environ.get("TMPDIR", "/tmp"), "spyre-serve", "reports")
 DEFAULT_CARD_MEMORY_BYTES = 2 * 1024**3
 
 
