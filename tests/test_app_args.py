@@ -111,3 +111,13 @@ def test_stream_interval_coalesces_close_chunks_but_not_late_ones():
     async def collect():
         return [c async for c in coalesce(_chunks([0, 0, 0.3]), 0.1)]
     assert asyncio.run(collect()) == ["data: 0\n\ndata: 1\n\n", "data: 2\n\n"]
+
+
+def test_example_cluster_configs_declare_spyre_and_valid_app_args():
+    service = yaml.safe_load(open("examples/kuberay-rayservice.yaml"))
+    (app,) = yaml.safe_load(service["spec"]["serveConfigV2"])["applications"]
+    AppArgs.model_validate(app["args"])
+    (group,) = service["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+    assert '\\"spyre\\": 8' in group["rayStartParams"]["resources"]
+    cluster = yaml.safe_load(open("examples/ray-cluster.yaml"))
+    assert cluster["available_node_types"]["spyre_8x"]["resources"]["spyre"] == 8
