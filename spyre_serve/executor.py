@@ -10,6 +10,7 @@ import os
 
 import ray
 import vllm.v1.executor.ray_executor as vllm_ray_executor
+from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.executor.ray_executor import RayDistributedExecutor
 from vllm.v1.executor.ray_utils import RayWorkerWrapper
 
@@ -69,6 +70,12 @@ class SpyreRayExecutor(RayDistributedExecutor):
     def determine_available_memory(self) -> list[int]:
         with _startup_errors_to_file(self.vllm_config):
             return self._block_handshake()
+
+    def compile_or_warm_up_model(self) -> None:
+        super().compile_or_warm_up_model()
+        # Ray's compiled graph is built on the first step; build it now, with an empty step,
+        # so the first request does not pay for it.
+        self._execute_dag(SchedulerOutput.make_empty(), None)
 
     def _block_handshake(self) -> list[int]:
         reports = self.collective_rpc("warm_up_and_report")

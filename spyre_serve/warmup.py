@@ -34,7 +34,8 @@ def warmup_requests(max_model_len: int, vocab_size: int) -> list[list[tuple[list
     ]
 
 
-def _status_bytes(field: str) -> int:
+def status_bytes(field: str) -> int:
+    """A memory figure of this process from /proc/self/status (VmRSS, VmHWM)."""
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith(field + ":"):
@@ -74,7 +75,7 @@ def run_warmup(model_runner, vllm_config, kv_cache_config) -> dict:
     for round_no, round_ in enumerate(rounds):
         deploy_round = round_no == len(rounds) - 1
         if deploy_round:
-            rss_before = _status_bytes("VmRSS")
+            rss_before = status_bytes("VmRSS")
             tracked = _reset_peak_rss()
         for i, (prompt, max_tokens) in enumerate(round_):
             params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
@@ -87,7 +88,7 @@ def run_warmup(model_runner, vllm_config, kv_cache_config) -> dict:
             scheduler.update_from_output(scheduler_output, output)
             steps += 1
         if deploy_round and tracked:
-            activation_peak = max(0, _status_bytes("VmHWM") - rss_before)
+            activation_peak = max(0, status_bytes("VmHWM") - rss_before)
     # One empty step hands the runner the last finished ids, so its batch is empty again.
     model_runner.execute_model(scheduler.schedule())
     return {"steps": steps, "seconds": time.perf_counter() - start,

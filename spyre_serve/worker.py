@@ -15,7 +15,7 @@ from spyre_serve import card as cards
 from spyre_serve import get_logger
 from spyre_serve.attention import compiled_graphs, install_kv_program
 from spyre_serve.settings import SpyreSettings
-from spyre_serve.warmup import WARMUP_BLOCKS, run_warmup
+from spyre_serve.warmup import WARMUP_BLOCKS, run_warmup, status_bytes
 
 logger = get_logger(__name__)
 
@@ -38,6 +38,13 @@ class SpyreWorker(CPUWorker):
         logger.info("rank %d owns card %s (SPYRE_DEVICES=%s)", self.rank, self.card.device,
                     os.environ.get("SPYRE_DEVICES", ""))
 
+    def load_model(self, *args, **kwargs) -> None:
+        # vLLM's CPU linear layers repack their weights outside model.parameters(), so what
+        # the weights take is measured as the resident memory loading added.
+        before = status_bytes("VmRSS")
+        super().load_model(*args, **kwargs)
+        self.weights_bytes = max(0, status_bytes("VmRSS") - before)
+
     def _model_identity(self) -> tuple[str, int]:
         return self.model_config.model, self.model_config.max_model_len
 
@@ -59,11 +66,8 @@ class SpyreWorker(CPUWorker):
             stats = run_warmup(runner, self.vllm_config, warmup_config)
         runner._cleanup_profiling_kv_cache()
 
-        model = runner.get_model()
-        weights = sum(t.numel() * t.element_size()
-                      for t in list(model.parameters()) + list(model.buffers()))
         measured = cards.WarmupMeasurement(
-            weights_bytes=weights, activation_peak_bytes=stats["activation_peak_bytes"],
+            weights_bytes=self.weights_bytes, activation_peak_bytes=stats["activation_peak_bytes"],
             bytes_per_block=sum(s.page_size_bytes for s in spec.values()))
         model_name, max_model_len = self._model_identity()
         self.card.publish_block_report(model_name, max_model_len, measured)

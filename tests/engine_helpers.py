@@ -1,14 +1,16 @@
 """Shared pieces of the engine test modules (one engine per module: vLLM keeps one
 Prometheus registry per process, so two live engines would share metrics)."""
+import functools
+
 import torch
 from vllm import SamplingParams
-
 
 PROMPTS = ["Beautiful is better than ugly.", "the quick brown fox", "Errors should never",
            "import torch", "Now is better than never.", "Simple is better", "lazy dog", "x"]
 MAX_MODEL_LEN = 256
 
 
+@functools.lru_cache
 def hf_greedy(model_path, prompts, max_tokens):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     tok = AutoTokenizer.from_pretrained(model_path)
@@ -41,3 +43,8 @@ def assert_nothing_compiled_since_warmup(llm):
     for rank in llm.collective_rpc("spyre_status"):
         assert rank["warmup"]["graphs"] >= 1  # the KV program was compiled during warmup
         assert rank["graphs_now"] == rank["warmup"]["graphs"], rank
+
+
+def assert_greedy_matches_transformers(llm, model_path):
+    prompts = tuple(PROMPTS[:3])
+    assert token_ids(llm.generate(list(prompts), greedy(12))) == hf_greedy(model_path, prompts, 12)

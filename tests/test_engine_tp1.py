@@ -1,10 +1,18 @@
 """The real engine on one simulated card: outputs, override, preemption, no recompile."""
 import pytest
-
 from conftest import MiB, shutdown_llm
-from engine_helpers import (MAX_MODEL_LEN, PROMPTS, assert_nothing_compiled_since_warmup, greedy,
-                            hf_greedy, metric, token_ids)
+from engine_helpers import (
+    MAX_MODEL_LEN,
+    PROMPTS,
+    assert_greedy_matches_transformers,
+    assert_nothing_compiled_since_warmup,
+    greedy,
+    metric,
+    token_ids,
+)
+
 from spyre_serve.engine import engine_kwargs, start_llm, summarize
+
 
 @pytest.fixture(scope="module")
 def tp1(ray_cluster, tiny_model):
@@ -16,13 +24,8 @@ def tp1(ray_cluster, tiny_model):
     shutdown_llm(llm)
 
 
-@pytest.fixture(scope="module")
-def reference(tiny_model):
-    return hf_greedy(tiny_model, PROMPTS[:3], 12)
-
-
-def test_tp1_greedy_equals_transformers(tp1, reference):
-    assert token_ids(tp1.generate(PROMPTS[:3], greedy(12))) == reference
+def test_tp1_greedy_equals_transformers(tp1, tiny_model):
+    assert_greedy_matches_transformers(tp1, tiny_model)
 
 
 def test_override_wins_and_is_recorded(tp1):

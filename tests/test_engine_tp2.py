@@ -1,10 +1,14 @@
 """The real engine on two simulated cards of different budgets: one Ray actor per card."""
 import pytest
-
 from conftest import MiB, shutdown_llm
-from engine_helpers import (MAX_MODEL_LEN, PROMPTS, assert_nothing_compiled_since_warmup, greedy,
-                            hf_greedy, token_ids)
+from engine_helpers import (
+    MAX_MODEL_LEN,
+    assert_greedy_matches_transformers,
+    assert_nothing_compiled_since_warmup,
+)
+
 from spyre_serve.engine import engine_kwargs, start_llm, summarize
+
 
 @pytest.fixture(scope="module")
 def tp2(ray_cluster, tiny_model):
@@ -15,13 +19,8 @@ def tp2(ray_cluster, tiny_model):
     shutdown_llm(llm)
 
 
-@pytest.fixture(scope="module")
-def reference(tiny_model):
-    return hf_greedy(tiny_model, PROMPTS[:3], 12)
-
-
-def test_tp2_greedy_equals_transformers(tp2, reference):
-    assert token_ids(tp2.generate(PROMPTS[:3], greedy(12))) == reference
+def test_tp2_greedy_equals_transformers(tp2, tiny_model):
+    assert_greedy_matches_transformers(tp2, tiny_model)
 
 
 def test_tp2_every_rank_resized_to_the_smallest_report(tp2):
