@@ -10,16 +10,13 @@ import os
 import time
 from pathlib import Path
 
-GiB = 2**30
-
-
-def measure(model_name: str, model_path: str, tp: int, max_model_len: int) -> dict:
+def measure(model_name: str, model_path: str, tp: int, max_model_len: int, card_bytes: int) -> dict:
     from vllm import SamplingParams
 
     from spyre_serve.engine import engine_kwargs, start_llm, summarize
     started = time.perf_counter()
     llm = start_llm(engine_kwargs(model_path, tensor_parallel_size=tp, max_model_len=max_model_len,
-                                  max_num_seqs=8, spyre={"card_memory_bytes": 2 * GiB}))
+                                  max_num_seqs=8, spyre={"card_memory_bytes": card_bytes}))
     start_s = time.perf_counter() - started
     t = time.perf_counter()
     llm.generate(["Hello"], SamplingParams(max_tokens=1, temperature=0.0))
@@ -45,6 +42,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--models", nargs="+", default=["tiny", "smollm2"])
     parser.add_argument("--tp", nargs="+", type=int, default=[1, 2])
+    parser.add_argument("--card-memory-mib", type=int, default=2048,
+                        help="simulated card budget (the KV cache fills what the model leaves)")
     parser.add_argument("--out", default="bench/results/engine_start.json")
     args = parser.parse_args()
 
@@ -62,7 +61,8 @@ def main() -> None:
             if heads % tp:
                 print(f"{m}: tensor_parallel_size={tp} is impossible ({heads} attention heads)")
                 continue
-            results.append(measure(m, path, tp, 1024 if m == "tiny" else 2048))
+            results.append(measure(m, path, tp, 1024 if m == "tiny" else 2048,
+                                   args.card_memory_mib * 2**20))
     ray.shutdown()
     print(f"{'model':>8} {'tp':>2} {'start s':>8} {'first s':>8} {'blocks':>7}  per-rank "
           "(warmup s, reported blocks, weights MiB, activation MiB, KiB/block)")
