@@ -1,0 +1,349 @@
+"""spyre_serve side by side with plain `vllm serve`: same model, same machine, same load.
+
+    .venv/bin/python bench/compare_vllm.py                  # both models, full load
+    .venv/bin/python bench/compare_vllm.py --model tiny --quick
+
+One run starts each server in turn on 127.0.0.1 (spyre_serve the way a user does,
+`spyre-serve run <config>`; then `vllm serve`), drives both with the same requests
+(closed-loop concurrency sweep, then a fixed-rate Poisson stream, fixed seed), stops it,
+and writes a JSON file, a PNG plot beside it, and a printed table.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import psutil
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import loadgen  # noqa: E402
+import report  # noqa: E402
+import startup  # noqa: E402
+from metrics import SchedulerWatch  # noqa: E402
+from servers import (MemorySampler, PlainVllm, SpyreServe, cpu_seconds_by_pid,  # noqa: E402
+                     free_port, memory_snapshot)
+
+REPO = Path(__file__).resolve().parents[1]
+BLOCK_SIZE = 64
+MODEL_NAME = "bench-model"
+
+# Poisson rates sit below what both servers sustain on 2 cores, so the open-loop phase
+# measures latency at a steady load rather than an ever-growing queue.
+MODELS = {
+    "tiny": {"builder": "tiny_llama", "rate": 4.0},
+    "smollm2": {"builder": "smollm2", "rate": 0.6},
+}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", choices=["tiny", "smollm2", "both"], default="both")
+    p.add_argument("--quick", action="store_true", help="fewer requests per phase")
+    p.add_argument("--out", type=Path, default=None,
+                   help="results JSON (default bench/results/compare-<time>.json); PNG beside it")
+    p.add_argument("--max-model-len", type=int, default=512)
+    p.add_argument("--max-num-seqs", type=int, default=16)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    p.add_argument("--rate", type=float, default=None,
+                   help="Poisson requests/s (default per model: tiny 4, smollm2 0.6)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--kv-blocks", type=int, default=64,
+                   help="KV blocks for both servers (num_gpu_blocks_override), small enough that "
+                        "vllm-spyre's static sizing could not run max_num_seqs; 0: the block "
+                        "count spyre_serve's handshake picks, handed to vLLM too")
+    p.add_argument("--start-timeout", type=float, default=900)
+    p.add_argument("--py-spy", action="store_true",
+                   help="record spyre_serve's processes with py-spy during the top concurrency")
+    return p.parse_args(argv)
+
+
+def requests_per_phase(concurrency: int, quick: bool) -> int:
+    return max(4, concurrency * (1 if quick else 3)) if concurrency > 1 else (4 if quick else 8)
+
+
+def model_path(builder: str) -> str:
+    import spyre_serve.models as models
+    return str(getattr(models, builder)())
+
+
+def vocab_size(path: str) -> int:
+    return json.loads((Path(path) / "config.json").read_text())["vocab_size"]
+
+
+def build_phases(args, rate: float, vocab: int) -> list[dict]:
+    """The same requests, in the same order, for both servers."""
+    phases = []
+    for i, c in enumerate(args.concurrency):
+        n = requests_per_phase(c, args.quick)
+        phases.append({"name": f"concurrency_{c}", "concurrency": c,
+                       "prompts": loadgen.make_prompts(n, args.prompt_len, vocab, args.seed + 1 + i)})
+    n = 16 if args.quick else 48
+    phases.append({"name": f"poisson_{rate:g}rps", "rate": rate,
+                   "prompts": loadgen.make_prompts(n, args.prompt_len, vocab, args.seed + 100)})
+    return phases
+
+
+async def run_phase(server, phase: dict, args) -> dict:
+    url = f"{server.base_url}/v1/completions"
+    bodies = [loadgen.request_body(MODEL_NAME, p, args.output_len) for p in phase["prompts"]]
+    exclude = {p.pid for p in server.processes()} | {os.getpid()}
+    cpu_before, t0 = cpu_seconds_by_pid(exclude), time.time()
+    profiler = None
+    if args.py_spy and server.kind == "spyre_serve" and phase.get("concurrency") == max(args.concurrency):
+        profiler = start_py_spy(server)
+    async with SchedulerWatch(server.base_url) as watch:
+        if "rate" in phase:
+            results, wall = await loadgen.open_loop(url, bodies, phase["rate"], args.seed)
+        else:
+            results, wall = await loadgen.closed_loop(url, bodies, phase["concurrency"])
+    if profiler:
+        stop_py_spy(profiler)
+    cpu_after = cpu_seconds_by_pid(exclude)
+    elapsed = time.time() - t0
+    background = sum(v - cpu_before.get(pid, 0.0) for pid, v in cpu_after.items())
+    return {
+        "concurrency": phase.get("concurrency"), "rate": phase.get("rate"),
+        "load": loadgen.summarize(results, wall, args.output_len),
+        "scheduler": watch.summary(),
+        # Other work on this machine (the engine tests of another session, for one).
+        "background_cores_busy": round(background / elapsed, 2),
+        "loadavg_1m_after": round(os.getloadavg()[0], 2),
+    }
+
+
+def start_py_spy(server) -> list[tuple[subprocess.Popen, str]]:
+    """py-spy on the replica, its EngineCore and the card actor: where our CPU goes."""
+    wanted = ("ServeReplica", "EngineCore", "SpyreRayWorker", "ProxyActor")
+    profilers = []
+    for p in server.processes():
+        try:
+            name = p.name()
+        except psutil.Error:
+            continue
+        role = next((w for w in wanted if w in name), None)
+        if role:
+            out = server.run_dir / f"py-spy-{role}-{p.pid}.txt"
+            cmd = [shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy"),
+                   "record", "--pid", str(p.pid), "--format", "raw", "--rate", "50",
+                   "--nonblocking", "--output", str(out)]
+            profilers.append((subprocess.Popen(cmd, stdout=subprocess.DEVNULL,
+                                               stderr=subprocess.DEVNULL), str(out)))
+    return profilers
+
+
+def stop_py_spy(profilers) -> None:
+    for proc, _ in profilers:
+        proc.send_signal(2)  # SIGINT: py-spy writes its output and exits
+    for proc, _ in profilers:
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def engine_facts(lines) -> dict:
+    """Settings each server's engine really ran with, as its log states them."""
+    import re
+    text = "\n".join(t for _, t in lines)
+    facts = {}
+    for key, pattern in (("max_num_batched_tokens", r"max_num_batched_tokens=(\d+)"),
+                         ("async_scheduling", r"async_scheduling=(\w+)"),
+                         ("kv_cache_tokens", r"KV cache size: ([\d,]+) tokens")):
+        m = re.search(pattern, text)
+        facts[key] = m.group(1) if m else None
+    facts["async_scheduling_disabled_by_executor"] = "Async scheduling will be disabled" in text
+    return facts
+
+
+def serve_one(server, args, phases, warm_prompts, first_prompt) -> dict:
+    print(f"--- starting {server.kind}: {' '.join(server.command())}", flush=True)
+    server.start()
+    result: dict = {"command": server.command()}
+    try:
+        with MemorySampler(server) as sampler:
+            ready = server.wait_ready(args.start_timeout)
+            answered = server.first_answer(first_prompt)
+            t0 = server.started_at
+            result["cold_start"] = {"process_to_ready_s": round(ready - t0, 2),
+                                    "process_to_first_answer_s": round(answered - t0, 2)}
+            print(f"    {server.kind} ready after {ready - t0:.1f} s, first answer after "
+                  f"{answered - t0:.1f} s", flush=True)
+            foreign = server.foreign_listeners()
+            if foreign:
+                raise RuntimeError(f"processes {foreign} outside this run also listen on port "
+                                   f"{server.http_port}; results would mix two servers")
+            if server.kind == "spyre_serve":
+                status = server.status()
+                result["status"] = {k: status.get(k) for k in
+                                    ("num_blocks", "usable_blocks", "limiting_rank", "override",
+                                     "max_model_len", "ready_seconds", "first_request_seconds",
+                                     "reports")}
+                result["status"]["warmup"] = [r.get("warmup") for r in status.get("ranks", [])]
+            time.sleep(2)  # let the start's last allocations settle before the idle snapshot
+            idle = memory_snapshot(server)
+            asyncio.run(loadgen.closed_loop(
+                f"{server.base_url}/v1/completions",
+                [loadgen.request_body(MODEL_NAME, p, args.output_len) for p in warm_prompts],
+                max(args.concurrency)))
+            result["phases"] = {}
+            for phase in phases:
+                result["phases"][phase["name"]] = asyncio.run(run_phase(server, phase, args))
+                load = result["phases"][phase["name"]]["load"]
+                print(f"    {phase['name']}: {load['output_tokens_per_s']} tok/s, TTFT p50 "
+                      f"{load['ttft_ms_p50']} ms, ITL p50 {load['itl_ms_p50']} ms, errors "
+                      f"{load['errors']}", flush=True)
+            after = memory_snapshot(server)
+        result["memory"] = {"idle": idle, "after_load": after,
+                            "peak_rss_mib": round(sampler.peak_rss / 2**20, 1)}
+    finally:
+        result["teardown"] = server.stop()
+    milestones = startup.find_milestones(
+        server.lines, startup.SPYRE_MILESTONES if server.kind == "spyre_serve" else startup.VLLM_MILESTONES)
+    milestones.update({"process_start": server.started_at, "http_ready": ready,
+                       "first_answer": answered})
+    if server.kind == "spyre_serve":
+        milestones.update(startup.spyre_status_milestones(status))
+        result["start_breakdown"] = startup.breakdown(milestones, startup.SPYRE_STEPS)
+        result["handshake_s"] = startup.handshake_seconds(milestones)
+    else:
+        result["start_breakdown"] = startup.breakdown(milestones, startup.VLLM_STEPS)
+    result["milestones"] = {k: round(v - server.started_at, 3) for k, v in milestones.items()}
+    result["engine"] = engine_facts(server.lines)
+    result["log"] = str(server.log_path)
+    return result
+
+
+def kv_usefulness(config: dict, block_budget: int, ours: dict, theirs: dict) -> dict:
+    """vllm-spyre reserves max_model_len/64 blocks per sequence up front; vLLM's scheduler
+    (ours, on the handshake's count) takes blocks as the sequence grows."""
+    per_seq_static = math.ceil(config["max_model_len"] / BLOCK_SIZE)
+    per_seq_dynamic = math.ceil((config["prompt_len"] + config["output_len"]) / BLOCK_SIZE)
+    usable = block_budget - 1  # vLLM's null block
+
+    def over_phases(server, key, combine):
+        values = [p["scheduler"][key] for p in server["phases"].values()
+                  if p["scheduler"][key] is not None]
+        return combine(values) if values else None
+
+    return {
+        "block_budget": block_budget,
+        "static_blocks_per_seq": per_seq_static,
+        "static_blocks_needed_for_max_num_seqs": config["max_num_seqs"] * per_seq_static + 1,
+        "static_max_concurrent_seqs": usable // per_seq_static,
+        "dynamic_blocks_per_seq": per_seq_dynamic,
+        "dynamic_max_concurrent_seqs": min(config["max_num_seqs"], usable // per_seq_dynamic),
+        "peak_running": {"spyre_serve": over_phases(ours, "peak_running", max),
+                         "vllm": over_phases(theirs, "peak_running", max)},
+        "preemptions": {"spyre_serve": over_phases(ours, "preemptions", sum),
+                        "vllm": over_phases(theirs, "preemptions", sum)},
+        "peak_kv_usage_perc": {"spyre_serve": over_phases(ours, "peak_kv_usage_perc", max),
+                               "vllm": over_phases(theirs, "peak_kv_usage_perc", max)},
+    }
+
+
+def bench_model(model: str, args, out_dir: Path) -> dict:
+    spec = MODELS[model]
+    path = model_path(spec["builder"])  # built once and cached, outside the timed start
+    rate = args.rate or spec["rate"]
+    config = {"model": model, "model_path": path, "max_model_len": args.max_model_len,
+              "max_num_seqs": args.max_num_seqs, "block_size": BLOCK_SIZE,
+              "prompt_len": args.prompt_len, "output_len": args.output_len,
+              "concurrency": args.concurrency, "poisson_rate": rate, "seed": args.seed,
+              "quick": args.quick, "kv_blocks_requested": args.kv_blocks}
+    config["summary"] = (f"prompt {args.prompt_len} + output {args.output_len} tokens, "
+                         f"max_model_len {args.max_model_len}, max_num_seqs {args.max_num_seqs}")
+    vocab = vocab_size(path)
+    phases = build_phases(args, rate, vocab)
+    warm = loadgen.make_prompts(max(args.concurrency), args.prompt_len, vocab, args.seed + 50)
+    first = loadgen.make_prompts(1, 16, vocab, args.seed + 99)[0]
+    run_id = uuid.uuid4().hex[:12]
+    # Short: Ray puts unix sockets under its temp dir, and their paths have a length limit.
+    scratch = Path(tempfile.mkdtemp(prefix="sb-"))
+    logs = out_dir / f"{model}-logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    servers = {}
+    try:
+        engine_kwargs = {"num_gpu_blocks_override": args.kv_blocks} if args.kv_blocks else {}
+        spyre_dir = scratch / "s"
+        spyre_dir.mkdir()
+        ours = SpyreServe(spyre_dir, run_id + "s", MODEL_NAME, free_port(), app_args={
+            "model": path, "served_model_name": MODEL_NAME, "max_model_len": args.max_model_len,
+            "max_num_seqs": args.max_num_seqs, "engine_kwargs": engine_kwargs})
+        ours.log_path = logs / "spyre_serve.log"
+        servers["spyre_serve"] = serve_one(ours, args, phases, warm, first)
+        block_budget = servers["spyre_serve"]["status"]["num_blocks"]
+        bytes_per_block = servers["spyre_serve"]["status"]["reports"][0]["bytes_per_block"]
+        vllm_dir = scratch / "v"
+        vllm_dir.mkdir()
+        theirs = PlainVllm(vllm_dir, run_id + "v", MODEL_NAME, free_port(), model_path=path,
+                           engine_args={"max_model_len": args.max_model_len,
+                                        "max_num_seqs": args.max_num_seqs,
+                                        "block_size": BLOCK_SIZE, "dtype": "float32",
+                                        "enforce_eager": True,
+                                        "num_gpu_blocks_override": block_budget,
+                                        # Without it the CPU worker wants 92% of host memory
+                                        # free (gpu_memory_utilization) and refuses to start.
+                                        "kv_cache_memory_bytes": block_budget * bytes_per_block})
+        theirs.log_path = logs / "vllm.log"
+        servers["vllm"] = serve_one(theirs, args, phases, warm, first)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    ratios = report.phase_ratios(servers["spyre_serve"]["phases"], servers["vllm"]["phases"])
+    return {
+        "config": config,
+        "servers": servers,
+        "ratios": ratios,
+        "kv_usefulness": kv_usefulness(config, block_budget, servers["spyre_serve"], servers["vllm"]),
+        "targets": report.targets(ratios, servers["spyre_serve"]["handshake_s"]),
+    }
+
+
+def machine() -> dict:
+    import ray
+    import torch
+    import vllm
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
+                            capture_output=True, text=True).stdout.strip()
+    return {"cpus": psutil.cpu_count(), "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
+            "platform": platform.platform(), "python": platform.python_version(),
+            "vllm": vllm.__version__, "ray": ray.__version__, "torch": torch.__version__,
+            "git_commit": commit, "loadavg_at_start": [round(x, 2) for x in os.getloadavg()]}
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    out = args.out or REPO / "bench" / "results" / f"compare-{stamp}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    models = ["tiny", "smollm2"] if args.model == "both" else [args.model]
+    document = {"meta": {**machine(), "started": stamp, "args": {k: str(v) for k, v in vars(args).items()},
+                         "order": "spyre_serve first, then vllm, one at a time"},
+                "models": {}}
+    for model in models:
+        document["models"][model] = bench_model(model, args, out.parent / out.stem)
+        out.write_text(json.dumps(document, indent=1))  # after each model: a crash keeps the first
+        print(report.table(model, document["models"][model]), flush=True)
+    document["meta"]["loadavg_at_end"] = [round(x, 2) for x in os.getloadavg()]
+    out.write_text(json.dumps(document, indent=1))
+    png = out.with_suffix(".png")
+    report.plot(document["models"], png)
+    print(f"\nwrote {out} and {png}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

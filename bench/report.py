@@ -1,0 +1,137 @@
+"""Ratios, targets, the printed table and the plot of one benchmark run."""
+from __future__ import annotations
+
+from pathlib import Path
+
+LOAD_METRICS = ["output_tokens_per_s", "requests_per_s", "ttft_ms_p50", "ttft_ms_p99",
+                "itl_ms_p50", "itl_ms_p99", "tpot_ms_p50", "tokens_per_chunk"]
+# Targets from the issue, for spyre_serve / vLLM.
+THROUGHPUT_FLOOR = 0.95
+TTFT_P50_CEILING = 1.10
+HANDSHAKE_CEILING_S = 1.0
+
+
+def ratio(ours, theirs):
+    if ours is None or theirs in (None, 0):
+        return None
+    return round(ours / theirs, 3)
+
+
+def phase_ratios(ours: dict, theirs: dict) -> dict:
+    return {name: {m: ratio(ours[name]["load"].get(m), theirs[name]["load"].get(m))
+                   for m in LOAD_METRICS}
+            for name in ours if name in theirs}
+
+
+def targets(ratios: dict, handshake_s: float | None) -> dict:
+    checks = {}
+    for phase, r in ratios.items():
+        if phase.startswith("concurrency"):
+            checks[f"{phase}: tokens/s >= {THROUGHPUT_FLOOR}x"] = _at_least(r["output_tokens_per_s"], THROUGHPUT_FLOOR)
+        checks[f"{phase}: TTFT p50 <= {TTFT_P50_CEILING}x"] = _at_most(r["ttft_ms_p50"], TTFT_P50_CEILING)
+    checks[f"coordinator handshake < {HANDSHAKE_CEILING_S} s"] = \
+        None if handshake_s is None else handshake_s < HANDSHAKE_CEILING_S
+    return checks
+
+
+def _at_least(value, floor):
+    return None if value is None else value >= floor
+
+
+def _at_most(value, ceiling):
+    return None if value is None else value <= ceiling
+
+
+def _fmt(value, width=10):
+    if value is None:
+        return f"{'-':>{width}}"
+    if isinstance(value, float):
+        return f"{value:>{width}.2f}" if abs(value) < 1e5 else f"{value:>{width}.3g}"
+    return f"{value!s:>{width}}"
+
+
+def table(model: str, result: dict) -> str:
+    ours, theirs = result["servers"]["spyre_serve"], result["servers"]["vllm"]
+    out = [f"\n== {model}: spyre_serve vs plain vLLM ({result['config']['summary']}) =="]
+    head = f"{'phase':<22}{'metric':<22}{'spyre_serve':>12}{'vllm':>12}{'ratio':>10}"
+    out += [head, "-" * len(head)]
+    for phase, r in result["ratios"].items():
+        for m in LOAD_METRICS:
+            out.append(f"{phase:<22}{m:<22}{_fmt(ours['phases'][phase]['load'][m], 12)}"
+                       f"{_fmt(theirs['phases'][phase]['load'][m], 12)}{_fmt(r[m])}")
+        kv_o, kv_t = ours["phases"][phase]["scheduler"], theirs["phases"][phase]["scheduler"]
+        out.append(f"{phase:<22}{'peak running / preempt':<22}"
+                   f"{_fmt(_running_and_preempted(kv_o), 12)}{_fmt(_running_and_preempted(kv_t), 12)}")
+        out.append(f"{phase:<22}{'background cores busy':<22}"
+                   f"{_fmt(ours['phases'][phase]['background_cores_busy'], 12)}"
+                   f"{_fmt(theirs['phases'][phase]['background_cores_busy'], 12)}")
+    out.append("-" * len(head))
+    for key, label in (("process_to_ready_s", "start -> /v1/models"),
+                       ("process_to_first_answer_s", "start -> first answer")):
+        o, t = ours["cold_start"][key], theirs["cold_start"][key]
+        out.append(f"{'cold start':<22}{label:<22}{_fmt(o, 12)}{_fmt(t, 12)}{_fmt(ratio(o, t))}")
+    for key, label in (("idle", "PSS MiB idle"), ("after_load", "PSS MiB after load")):
+        o, t = ours["memory"][key]["pss_mib"], theirs["memory"][key]["pss_mib"]
+        out.append(f"{'memory':<22}{label:<22}{_fmt(o, 12)}{_fmt(t, 12)}{_fmt(ratio(o, t))}")
+    o, t = ours["memory"]["peak_rss_mib"], theirs["memory"]["peak_rss_mib"]
+    out.append(f"{'memory':<22}{'peak RSS sum MiB':<22}{_fmt(o, 12)}{_fmt(t, 12)}{_fmt(ratio(o, t))}")
+    o, t = ours["memory"]["idle"]["processes"], theirs["memory"]["idle"]["processes"]
+    out.append(f"{'memory':<22}{'processes':<22}{_fmt(o, 12)}{_fmt(t, 12)}")
+    out.append("\nspyre_serve start, step by step (s):")
+    for step in ours["start_breakdown"]:
+        out.append(f"  {step['step']:<46}{_fmt(step['seconds'], 8)}")
+    out.append(f"  {'coordinator handshake (report -> resized)':<46}{_fmt(ours['handshake_s'], 8)}")
+    out.append("plain vLLM start, step by step (s):")
+    for step in theirs["start_breakdown"]:
+        out.append(f"  {step['step']:<46}{_fmt(step['seconds'], 8)}")
+    kv = result["kv_usefulness"]
+    out.append(f"\nKV usefulness, {kv['block_budget']} blocks of 64 tokens on each server:")
+    out.append(f"  vllm-spyre static sizing: {kv['static_blocks_per_seq']} blocks reserved per "
+               f"sequence -> at most {kv['static_max_concurrent_seqs']} sequences "
+               f"(it needs {kv['static_blocks_needed_for_max_num_seqs']} blocks for "
+               f"max_num_seqs={result['config']['max_num_seqs']})")
+    out.append(f"  dynamic (vLLM's paged scheduler): {kv['dynamic_blocks_per_seq']} blocks per "
+               f"sequence of this load; peak running spyre_serve {_int(kv['peak_running']['spyre_serve'])}, "
+               f"vllm {_int(kv['peak_running']['vllm'])}; preemptions spyre_serve "
+               f"{_int(kv['preemptions']['spyre_serve'])}, vllm {_int(kv['preemptions']['vllm'])}")
+    out.append("\ntargets:")
+    for name, ok in result["targets"].items():
+        out.append(f"  {'PASS' if ok else ('n/a ' if ok is None else 'FAIL')}  {name}")
+    return "\n".join(out)
+
+
+def _running_and_preempted(scheduler: dict) -> str:
+    return f"{_int(scheduler['peak_running'])}/{_int(scheduler['preemptions'])}"
+
+
+def _int(v):
+    return "-" if v is None else int(v)
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = list(results)
+    fig, axes = plt.subplots(len(models), 2, figsize=(11, 4 * len(models)), squeeze=False)
+    for row, model in enumerate(models):
+        for col, (metric, label) in enumerate((("output_tokens_per_s", "output tokens/s"),
+                                               ("ttft_ms_p50", "TTFT p50 (ms)"))):
+            ax = axes[row][col]
+            for server, style in (("spyre_serve", "o-"), ("vllm", "s--")):
+                phases = results[model]["servers"][server]["phases"]
+                points = sorted((p["concurrency"], p["load"][metric])
+                                for p in phases.values() if p.get("concurrency"))
+                ax.plot([c for c, _ in points], [v for _, v in points], style, label=server)
+            ax.set_xscale("log", base=2)
+            ax.set_xticks([c for c in results[model]["config"]["concurrency"]])
+            ax.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
+            ax.set_xlabel("concurrent requests (closed loop)")
+            ax.set_ylabel(label)
+            ax.set_title(f"{model}: {label}")
+            ax.grid(True, alpha=0.3)
+            ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
