@@ -36,6 +36,11 @@ def discover_cards(pci_root: Path = Path("/sys/bus/pci/devices")) -> int:
     return count
 
 
+def use_ray_token_auth() -> None:
+    """`ray start` (2.60) turns token auth on; drivers must then ask for it too."""
+    os.environ.setdefault("RAY_AUTH_MODE", "token")
+
+
 def ray_is_running() -> bool:
     """A Ray cluster this machine's `ray` and `serve` CLIs would connect to."""
     ray = shutil.which("ray") or "ray"
@@ -43,15 +48,19 @@ def ray_is_running() -> bool:
                           stderr=subprocess.DEVNULL).returncode == 0
 
 
-def start_command(cards: int, num_cpus: int | None, port: int) -> list[str]:
+def start_command(cards: int, num_cpus: int | None, port: int,
+                  temp_dir: str | None = None) -> list[str]:
     cmd = [shutil.which("ray") or "ray", "start", "--head", f"--port={port}",
            "--include-dashboard=false", f"--resources={json.dumps({'spyre': cards})}"]
     if num_cpus is not None:
         cmd.append(f"--num-cpus={num_cpus}")
+    if temp_dir is not None:
+        cmd.append(f"--temp-dir={temp_dir}")
     return cmd
 
 
-def start(cards: int | None, num_cpus: int | None, port: int) -> int:
+def start(cards: int | None, num_cpus: int | None, port: int,
+          temp_dir: str | None = None) -> int:
     real = discover_cards()
     if cards is None:
         cards = real or DEFAULT_SIMULATED_CARDS
@@ -61,7 +70,12 @@ def start(cards: int | None, num_cpus: int | None, port: int) -> int:
     if kind == "real":
         print("spyre-serve: set `backend: sendnn` in the config's args to use them",
               file=sys.stderr, flush=True)
-    return subprocess.call(start_command(cards, num_cpus, port))
+    code = subprocess.call(start_command(cards, num_cpus, port, temp_dir))
+    if code == 0:
+        from ray.util import get_node_ip_address
+        # What `serve run` connects to next, whatever other Ray runs on this machine.
+        os.environ["RAY_ADDRESS"] = f"{get_node_ip_address()}:{port}"
+    return code
 
 
 def config_uses_demo_model(config: Path) -> bool:
@@ -85,14 +99,15 @@ def ensure_demo_packages() -> None:
 
 
 def run(config: Path, cards: int | None, num_cpus: int | None, port: int,
-        install_demo: bool) -> int:
+        install_demo: bool, temp_dir: str | None = None) -> int:
     if not config.is_file():
         print(f"spyre-serve: no such config file: {config}", file=sys.stderr)
         return 2
     if install_demo and config_uses_demo_model(config):
         ensure_demo_packages()
+    use_ray_token_auth()
     if not ray_is_running():
-        code = start(cards, num_cpus, port)
+        code = start(cards, num_cpus, port, temp_dir)
         if code != 0:
             return code
     serve = shutil.which("serve") or "serve"
@@ -118,12 +133,16 @@ def main(argv: list[str] | None = None) -> int:
                             f"else {DEFAULT_SIMULATED_CARDS} simulated)")
         p.add_argument("--num-cpus", type=int, default=None, help="CPUs Ray may hand out")
         p.add_argument("--port", type=int, default=6379, help="Ray head (GCS) port")
+        p.add_argument("--temp-dir", default=None,
+                       help="Ray's temp dir (default /tmp/ray); another one keeps this "
+                            "cluster out of sight of other local Ray drivers")
     sub.add_parser("stop")
     args = parser.parse_args(argv)
     if args.command == "start":
-        return start(args.cards, args.num_cpus, args.port)
+        return start(args.cards, args.num_cpus, args.port, args.temp_dir)
     if args.command == "run":
-        return run(args.config, args.cards, args.num_cpus, args.port, not args.no_install)
+        return run(args.config, args.cards, args.num_cpus, args.port, not args.no_install,
+                   args.temp_dir)
     return stop()
 
 
