@@ -87,6 +87,15 @@ def read_report(path: Path, *, device: str, rank: int, model: str, max_model_len
     if report.block_size != BLOCK_SIZE:
         raise ReportError(f"Compiler block report {path} is for block_size={report.block_size}; "
                           f"Spyre KV blocks are {BLOCK_SIZE} tokens. {fix}")
+    if report.memory_budget_bytes and report.bytes_per_block:
+        room = report.memory_budget_bytes - report.weights_bytes - report.activation_peak_bytes
+        if report.num_blocks * report.bytes_per_block > room:
+            raise ReportError(
+                f"Compiler block report {path} is inconsistent: num_blocks={report.num_blocks} "
+                f"of {report.bytes_per_block} bytes need {report.num_blocks * report.bytes_per_block}"
+                f" bytes, but its own figures leave {room} (budget {report.memory_budget_bytes} - "
+                f"weights {report.weights_bytes} - activation peak "
+                f"{report.activation_peak_bytes}). {fix}")
     stale = []
     if report.device != device:
         stale.append(f"device {report.device!r} instead of {device!r}")

@@ -61,3 +61,14 @@ def test_other_block_size_or_schema_is_refused(tmp_path):
     write_report(path, good(schema=2))
     with pytest.raises(ReportError, match="schema 2"):
         read_report(path, **EXPECT, not_before=0)
+
+
+def test_more_blocks_than_its_own_budget_allows_is_refused(tmp_path):
+    path = tmp_path / "sim0.json"
+    figures = dict(memory_budget_bytes=1000, weights_bytes=300, activation_peak_bytes=100,
+                   bytes_per_block=100)
+    write_report(path, good(num_blocks=6, **figures))  # exactly the 600 bytes left
+    assert read_report(path, **EXPECT, not_before=0).num_blocks == 6
+    write_report(path, good(num_blocks=7, **figures))
+    with pytest.raises(ReportError, match=f"{path} is inconsistent: num_blocks=7"):
+        read_report(path, **EXPECT, not_before=0)
