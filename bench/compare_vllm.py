@@ -65,6 +65,9 @@ def parse_args(argv=None):
                    help="KV blocks for both servers (num_gpu_blocks_override), small enough that "
                         "vllm-spyre's static sizing could not run max_num_seqs; 0: the block "
                         "count spyre_serve's handshake picks, handed to vLLM too")
+    p.add_argument("--experiment", nargs="+", default=[], choices=["kv-flat"],
+                   help="try proposed spyre_serve fixes (bench/patches/sitecustomize.py) in "
+                        "the spyre_serve server; recorded in the results")
     p.add_argument("--start-timeout", type=float, default=900)
     p.add_argument("--py-spy", action="store_true",
                    help="record spyre_serve's processes with py-spy during the top concurrency")
@@ -100,8 +103,10 @@ def build_phases(args, rate: float, vocab: int) -> list[dict]:
 async def run_phase(server, phase: dict, args) -> dict:
     url = f"{server.base_url}/v1/completions"
     bodies = [loadgen.request_body(MODEL_NAME, p, args.output_len) for p in phase["prompts"]]
-    exclude = {p.pid for p in server.processes()} | {os.getpid()}
+    own = server.processes()
+    exclude = {p.pid for p in own} | {os.getpid()}
     cpu_before, t0 = cpu_seconds_by_pid(exclude), time.time()
+    own_before = cpu_seconds_by_role(own)
     profiler = None
     if args.py_spy and server.kind == "spyre_serve" and phase.get("concurrency") == max(args.concurrency):
         profiler = start_py_spy(server)
@@ -113,16 +118,49 @@ async def run_phase(server, phase: dict, args) -> dict:
     if profiler:
         stop_py_spy(profiler)
     cpu_after = cpu_seconds_by_pid(exclude)
+    own_after = cpu_seconds_by_role(own)
     elapsed = time.time() - t0
-    background = sum(v - cpu_before.get(pid, 0.0) for pid, v in cpu_after.items())
+    used = {pid: v - cpu_before.get(pid, 0.0) for pid, v in cpu_after.items()}
+    background = sum(used.values())
     return {
         "concurrency": phase.get("concurrency"), "rate": phase.get("rate"),
         "load": loadgen.summarize(results, wall, args.output_len),
         "scheduler": watch.summary(),
+        # Where the server's CPU went: cores each of its processes kept busy.
+        "server_cores_busy": {role: round((own_after[role] - own_before.get(role, 0.0)) / elapsed, 2)
+                              for role in sorted(own_after, key=lambda r: -own_after[r])
+                              if own_after[role] - own_before.get(role, 0.0) > 0.01 * elapsed},
         # Other work on this machine (the engine tests of another session, for one).
         "background_cores_busy": round(background / elapsed, 2),
+        "background_top": describe_busiest(used, elapsed),
         "loadavg_1m_after": round(os.getloadavg()[0], 2),
     }
+
+
+def describe_busiest(used: dict[int, float], elapsed: float, top: int = 3) -> list[str]:
+    out = []
+    for pid, seconds in sorted(used.items(), key=lambda kv: -kv[1])[:top]:
+        if seconds < 0.05 * elapsed:
+            break
+        try:
+            what = " ".join(psutil.Process(pid).cmdline())[:80]
+        except psutil.Error:
+            what = "(exited)"
+        out.append(f"{seconds / elapsed:.2f} cores: pid {pid} {what}")
+    return out
+
+
+def cpu_seconds_by_role(processes) -> dict[str, float]:
+    """CPU seconds so far per process name (Ray names its workers after the actor)."""
+    seconds: dict[str, float] = {}
+    for p in processes:
+        try:
+            role = f"{p.name()}[{p.pid}]"
+            t = p.cpu_times()
+            seconds[role] = t.user + t.system
+        except psutil.Error:
+            continue
+    return seconds
 
 
 def start_py_spy(server) -> list[tuple[subprocess.Popen, str]]:
@@ -263,7 +301,8 @@ def bench_model(model: str, args, out_dir: Path) -> dict:
               "max_num_seqs": args.max_num_seqs, "block_size": BLOCK_SIZE,
               "prompt_len": args.prompt_len, "output_len": args.output_len,
               "concurrency": args.concurrency, "poisson_rate": rate, "seed": args.seed,
-              "quick": args.quick, "kv_blocks_requested": args.kv_blocks}
+              "quick": args.quick, "kv_blocks_requested": args.kv_blocks,
+              "spyre_serve_patches": args.experiment}
     config["summary"] = (f"prompt {args.prompt_len} + output {args.output_len} tokens, "
                          f"max_model_len {args.max_model_len}, max_num_seqs {args.max_num_seqs}")
     vocab = vocab_size(path)
@@ -282,7 +321,8 @@ def bench_model(model: str, args, out_dir: Path) -> dict:
         spyre_dir.mkdir()
         ours = SpyreServe(spyre_dir, run_id + "s", MODEL_NAME, free_port(), app_args={
             "model": path, "served_model_name": MODEL_NAME, "max_model_len": args.max_model_len,
-            "max_num_seqs": args.max_num_seqs, "engine_kwargs": engine_kwargs})
+            "max_num_seqs": args.max_num_seqs, "engine_kwargs": engine_kwargs},
+            patches=args.experiment)
         ours.log_path = logs / "spyre_serve.log"
         servers["spyre_serve"] = serve_one(ours, args, phases, warm, first)
         block_budget = servers["spyre_serve"]["status"]["num_blocks"]

@@ -32,7 +32,7 @@ async def scrape(client: httpx.AsyncClient, base_url: str) -> dict[str, float]:
 class SchedulerWatch:
     """Samples running/waiting requests and KV usage while a phase runs."""
 
-    def __init__(self, base_url: str, interval_s: float = 0.5):
+    def __init__(self, base_url: str, interval_s: float = 0.25):
         self.base_url = base_url
         self.interval_s = interval_s
         self.samples: list[dict[str, float]] = []

@@ -109,14 +109,26 @@ class Server:
                 log.flush()
 
     def processes(self) -> list[psutil.Process]:
-        found = []
+        """The command's process tree, plus whatever carries our marker: Ray's daemons
+        leave the tree (`ray start` exits), and a process that rewrites its title over its
+        environment block (vLLM's EngineCore does) no longer shows the marker."""
+        found: dict[int, psutil.Process] = {}
+        if self.proc is not None:
+            try:
+                root = psutil.Process(self.proc.pid)
+                for p in [root] + root.children(recursive=True):
+                    found[p.pid] = p
+            except psutil.Error:
+                pass
         for p in psutil.process_iter():
+            if p.pid in found:
+                continue
             try:
                 if p.environ().get(MARKER) == self.run_id:
-                    found.append(p)
+                    found[p.pid] = p
             except (psutil.Error, OSError):
                 continue
-        return found
+        return list(found.values())
 
     def wait_ready(self, timeout_s: float) -> float:
         """Epoch at which /v1/models first listed our model."""
@@ -184,11 +196,20 @@ class SpyreServe(Server):
 
     kind = "spyre_serve"
 
-    def __init__(self, *args, app_args: dict, **kwargs):
+    def __init__(self, *args, app_args: dict, patches: list[str] = (), **kwargs):
         super().__init__(*args, **kwargs)
         self.app_args = app_args
+        self.patches = list(patches)
         self.ray_port = free_port()
         self.config_path = self.run_dir / "serve_config.yaml"
+
+    def environment(self) -> dict[str, str]:
+        env = super().environment()
+        if self.patches:  # proposed fixes under trial: see bench/patches/sitecustomize.py
+            patch_dir = str(Path(__file__).resolve().parent / "patches")
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [patch_dir, env.get("PYTHONPATH")]))
+            env["SPYRE_BENCH_PATCH"] = ",".join(self.patches)
+        return env
 
     def command(self) -> list[str]:
         config = {
