@@ -62,10 +62,10 @@ class SpyrePlatform(CpuPlatform):
             parallel_config.worker_cls = WORKER_CLS
         super().check_and_update_config(vllm_config)
         from spyre_serve.executor import SpyreRayExecutor
-        if parallel_config.distributed_executor_backend is not SpyreRayExecutor:
+        backend = parallel_config.distributed_executor_backend
+        if not (isinstance(backend, type) and issubclass(backend, SpyreRayExecutor)):
             # Cards are Ray resources held by one actor each; any other executor would run
             # ranks without a card (e.g. `vllm serve` with this plugin active).
             logger.info("Spyre runs one Ray actor per card: using SpyreRayExecutor instead of "
-                        "distributed_executor_backend=%r",
-                        parallel_config.distributed_executor_backend)
+                        "distributed_executor_backend=%r", backend)
             parallel_config.distributed_executor_backend = SpyreRayExecutor
