@@ -41,11 +41,20 @@ def use_ray_token_auth() -> None:
     os.environ.setdefault("RAY_AUTH_MODE", "token")
 
 
-def ray_is_running() -> bool:
-    """A Ray cluster this machine's `ray` and `serve` CLIs would connect to."""
-    ray = shutil.which("ray") or "ray"
-    return subprocess.run([ray, "status"], stdout=subprocess.DEVNULL,
-                          stderr=subprocess.DEVNULL).returncode == 0
+def running_cluster(temp_dir: str | None = None) -> str | None:
+    """The cluster `serve run` would use: RAY_ADDRESS, else the last `ray start` here.
+
+    Not `ray status`'s auto-detection, which takes any Ray it sees on the machine.
+    """
+    address = os.environ.get("RAY_ADDRESS")
+    if not address:
+        bootstrap = Path(temp_dir or "/tmp/ray") / "ray_current_cluster"
+        address = bootstrap.read_text().strip() if bootstrap.is_file() else None
+    if not address:
+        return None
+    alive = subprocess.run([shutil.which("ray") or "ray", "status", f"--address={address}"],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode == 0
+    return address if alive else None
 
 
 def start_command(cards: int, num_cpus: int | None, port: int,
@@ -106,7 +115,11 @@ def run(config: Path, cards: int | None, num_cpus: int | None, port: int,
     if install_demo and config_uses_demo_model(config):
         ensure_demo_packages()
     use_ray_token_auth()
-    if not ray_is_running():
+    address = running_cluster(temp_dir)
+    if address:
+        print(f"spyre-serve: using the Ray cluster at {address}", file=sys.stderr, flush=True)
+        os.environ["RAY_ADDRESS"] = address
+    else:
         code = start(cards, num_cpus, port, temp_dir)
         if code != 0:
             return code
