@@ -62,6 +62,9 @@ def table(model: str, result: dict) -> str:
         kv_o, kv_t = ours["phases"][phase]["scheduler"], theirs["phases"][phase]["scheduler"]
         out.append(f"{phase:<22}{'peak running / preempt':<22}"
                    f"{_fmt(_running_and_preempted(kv_o), 12)}{_fmt(_running_and_preempted(kv_t), 12)}")
+        out.append(f"{phase:<22}{'client cores busy':<22}"
+                   f"{_fmt(ours['phases'][phase]['client_cores_busy'], 12)}"
+                   f"{_fmt(theirs['phases'][phase]['client_cores_busy'], 12)}")
         out.append(f"{phase:<22}{'background cores busy':<22}"
                    f"{_fmt(ours['phases'][phase]['background_cores_busy'], 12)}"
                    f"{_fmt(theirs['phases'][phase]['background_cores_busy'], 12)}")

@@ -100,7 +100,8 @@ class Server:
         threading.Thread(target=self._read_output, daemon=True).start()
 
     def _read_output(self) -> None:
-        with open(self.log_path, "w") as log:
+        with open(self.log_path, "a") as log:
+            log.write(f"=== {' '.join(self.proc.args)}\n")
             for raw in self.proc.stdout:
                 now = time.time()
                 text = ANSI.sub("", raw.decode(errors="replace")).rstrip("\n")
@@ -220,8 +221,10 @@ class SpyreServe(Server):
                               "args": self.app_args}],
         }
         self.config_path.write_text(yaml.safe_dump(config, sort_keys=False))
+        # --temp-dir: a Ray head of our own. Without it `spyre-serve run` would join the
+        # last cluster `ray start`ed on this machine, which may be anybody's.
         return [str(VENV_BIN / "spyre-serve"), "run", str(self.config_path),
-                "--port", str(self.ray_port)]
+                "--port", str(self.ray_port), "--temp-dir", str(self.run_dir / "tmp" / "ray")]
 
     def status(self) -> dict:
         return httpx.get(f"{self.base_url}/spyre/status", timeout=60).json()

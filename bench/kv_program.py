@@ -1,0 +1,111 @@
+"""The card's KV-cache program alone: what one layer's write costs as the cache grows.
+
+    .venv/bin/python bench/kv_program.py [--blocks 4 64 512 4096] [--out bench/results/kv_program.json]
+
+Times, per call, for a decode step (16 tokens) and a prefill chunk (512 tokens):
+spyre_serve's write_kv compiled as the simulated card compiles it (inductor, the
+num_blocks dimension dynamic), the same eager, the flat-view variant proposed in
+bench/patches/kv_flat.py, and vLLM's own CPU kernel (what plain vLLM runs), on the
+geometries of the two bench models. Every variant must leave the same cache.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "patches"))
+
+from kv_flat import flat_program  # noqa: E402
+
+# (kv heads, head size, layers) of the bench models
+GEOMETRIES = {"tiny": (2, 32, 2), "smollm2": (3, 64, 30)}
+BLOCK_SIZE = 64
+# Stop timing a variant once a call takes this long: the trend is clear by then.
+SLOW_CALL_S = 2.0
+
+
+def mark(t: torch.Tensor) -> torch.Tensor:
+    if t.shape[0] > 1:
+        torch._dynamo.mark_dynamic(t, 0)
+    return t
+
+
+def vllm_kernel(kv_cache, key, value, slot_mapping):
+    from vllm import _custom_ops as ops
+    num_blocks, kv_heads, block_size, _ = kv_cache.shape
+    key_cache, value_cache = kv_cache.view(num_blocks, kv_heads, block_size * 2, -1).chunk(2, dim=2)
+    ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, "vec",
+                                   k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
+
+
+def time_call(fn, args, repeat: int) -> float:
+    fn(*args)  # compile / warm
+    started = time.perf_counter()
+    n = 0
+    while n < repeat:
+        fn(*args)
+        n += 1
+        if time.perf_counter() - started > SLOW_CALL_S * 3:
+            break
+    return (time.perf_counter() - started) / n
+
+
+def main() -> None:
+    from spyre_serve.attention import write_kv
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--blocks", type=int, nargs="+", default=[4, 64, 512, 4096])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[16, 512])
+    parser.add_argument("--repeat", type=int, default=50)
+    parser.add_argument("--out", type=Path, default=Path("bench/results/kv_program.json"))
+    args = parser.parse_args()
+    torch.set_num_threads(1)  # as vLLM's CPU worker serves: one torch thread
+    compile_fn = lambda fn: torch.compile(fn, backend="inductor", dynamic=False)  # noqa: E731
+    variants = {
+        "spyre_serve write_kv, compiled": compile_fn(write_kv),
+        "write_kv, eager": write_kv,
+        "flat view, compiled (proposed)": flat_program(compile_fn),
+        "vLLM CPU kernel": vllm_kernel,
+    }
+    rows, too_slow = [], set()
+    for model, (kv_heads, head_size, layers) in GEOMETRIES.items():
+        for num_blocks in args.blocks:
+            for tokens in args.tokens:
+                if tokens > num_blocks * BLOCK_SIZE:
+                    continue  # more tokens than the cache has slots
+                torch.manual_seed(0)
+                key = torch.randn(tokens, kv_heads, head_size)
+                value = torch.randn(tokens, kv_heads, head_size)
+                slots = torch.randperm(num_blocks * BLOCK_SIZE)[:tokens]
+                reference = None
+                for name, fn in variants.items():
+                    if (model, name) in too_slow:
+                        rows.append({"model": model, "num_blocks": num_blocks, "tokens": tokens,
+                                     "variant": name, "ms_per_layer": None})
+                        continue
+                    cache = mark(torch.zeros(num_blocks, kv_heads, BLOCK_SIZE, 2 * head_size))
+                    seconds = time_call(fn, (cache, mark(key), mark(value), mark(slots)), args.repeat)
+                    if name != "vLLM CPU kernel":  # its own layout; the others must agree
+                        reference = cache if reference is None else reference
+                        assert torch.equal(cache, reference), f"{name} wrote another cache"
+                    if seconds > SLOW_CALL_S:
+                        too_slow.add((model, name))
+                    rows.append({"model": model, "num_blocks": num_blocks, "tokens": tokens,
+                                 "variant": name, "ms_per_layer": round(seconds * 1000, 4),
+                                 "ms_per_step_all_layers": round(seconds * 1000 * layers, 3)})
+                    print(f"{model:>8} {num_blocks:>6} blocks {tokens:>4} tokens  {name:<32}"
+                          f"{seconds * 1000:>10.3f} ms/layer {seconds * 1000 * layers:>10.2f} ms/step",
+                          flush=True)
+    from torch._dynamo.utils import counters
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"torch_threads": 1, "rows": rows,
+                                    "graphs_compiled": counters["stats"]["unique_graphs"]}, indent=1))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
