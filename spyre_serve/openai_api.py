@@ -10,11 +10,13 @@ import argparse
 import asyncio
 import dataclasses
 import types
+from http import HTTPStatus
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.entrypoints.launchers.api_server.app_state import init_app_state
 from vllm.entrypoints.launchers.cli_args import FrontendArgs
@@ -78,6 +80,16 @@ def openai_error(message: str, status_code: int, err_type: str) -> JSONResponse:
     return JSONResponse(body.model_dump(), status_code=status_code)
 
 
+def unknown_fields_error(request: BaseModel) -> Response | None:
+    """vLLM's request models keep unknown fields and ignore them; OpenAI's API refuses them,
+    and a misspelt sampling parameter silently ignored is worse than an error."""
+    extra = sorted(request.model_extra or {})
+    if not extra:
+        return None
+    return openai_error(f"Unrecognized request argument supplied: {', '.join(extra)}", 400,
+                        "BadRequestError")
+
+
 def vllm_frontend_args(engine_kwargs: dict[str, Any]) -> argparse.Namespace:
     """The flat namespace `vllm serve` would have parsed for these engine kwargs."""
     engine_args = AsyncEngineArgs(**engine_kwargs)
@@ -95,6 +107,13 @@ async def build_openai_app(engine, engine_kwargs: dict[str, Any], *,
     # replaces a dead replica instead, but the handler still needs something to set.
     app.state.server = types.SimpleNamespace()
     init_exception_handler(app)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def framework_error(_, exc: StarletteHTTPException):
+        # Starlette's own errors (unknown route, wrong method, unreadable body) in OpenAI's shape.
+        name = HTTPStatus(exc.status_code).phrase.replace(" ", "") + "Error"
+        return openai_error(str(exc.detail), exc.status_code, name)
+
     state = app.state
 
     def respond(result) -> Response:
@@ -112,11 +131,15 @@ async def build_openai_app(engine, engine_kwargs: dict[str, Any], *,
     @app.post("/v1/completions", dependencies=[Depends(validate_json_request)])
     @with_cancellation
     async def create_completion(request: CompletionRequest, raw_request: Request):
+        if refused := unknown_fields_error(request):
+            return refused
         return respond(await state.openai_serving_completion.create_completion(request, raw_request))
 
     @app.post("/v1/chat/completions", dependencies=[Depends(validate_json_request)])
     @with_cancellation
     async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request):
+        if refused := unknown_fields_error(request):
+            return refused
         return respond(await state.openai_serving_chat.create_chat_completion(request, raw_request))
 
     @app.get("/health")
