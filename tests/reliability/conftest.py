@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from .helpers import (FIGURES, SHARED_BLOCKS, SHARED_MAX_NUM_SEQS, App, ServeInstance,
-                      app_args, app_status, delete_app, deploy, record)
+from .helpers import (FIGURES, SHARED_BLOCKS, SHARED_MAX_NUM_SEQS, App, ServeInstance, app_args,
+                      app_status, delete_app, deploy, record)
 
 
 @pytest.fixture(scope="package")

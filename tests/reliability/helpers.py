@@ -20,6 +20,9 @@ MODEL = "tiny-rel"
 MAX_MODEL_LEN = 256
 # An engine start (model load, warmup, handshake) is 20-50 s on 2 busy cores.
 APP_START_TIMEOUT_S = 240
+# A simulated card with room to spare: the weights and warmup's activation peak (resident
+# memory, so it varies from run to run) take about 50 MiB of it.
+CARD = 256 * MiB
 
 
 def wait_for(what: str, condition, timeout: float, interval: float = 0.25):
@@ -147,8 +150,8 @@ class ServeInstance:
 
 def app_args(tiny_model: str, **overrides):
     from spyre_serve.app import AppArgs
-    args = dict(model=tiny_model, served_model_name=MODEL, max_model_len=MAX_MODEL_LEN,
-                max_num_seqs=8, replica_num_cpus=0.5, card_memory_bytes=64 * MiB)
+    args = {"model": tiny_model, "served_model_name": MODEL, "max_model_len": MAX_MODEL_LEN,
+            "max_num_seqs": 8, "replica_num_cpus": 0.5, "card_memory_bytes": CARD}
     args.update(overrides)
     return AppArgs(**args)
 

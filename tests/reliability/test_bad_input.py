@@ -364,19 +364,19 @@ def test_unknown_fields_never_break_a_request(app, http, replica_at_start):
     assert_still_serving(app, http, replica_at_start)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="BUG: unknown request fields are ignored (vLLM's "
-                   "extra='allow'), not refused with a 400 as the OpenAI API does; see "
-                   "the fix proposal for spyre_serve/openai_api.py")
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "BUG: unknown request fields are ignored (vLLM's extra='allow'), not refused with a 400 "
+    "as the OpenAI API does; see the fix proposal for spyre_serve/openai_api.py"))
 def test_unknown_fields_are_refused_with_an_openai_error(app, http):
     for path in (COMPLETIONS, CHAT):
         assert_4xx(post(http, path, {**BASE[path], "zz_not_a_field": 1}))
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="BUG: errors raised by Starlette/FastAPI itself (a "
-                   "body that is not UTF-8 or nests too deep, an unknown route, a wrong method) "
-                   "come back as {'detail': ...}, not OpenAI's {'error': {...}}: vLLM's "
-                   "handler is registered for fastapi.HTTPException, Starlette raises its own "
-                   "base class; see the fix proposal for spyre_serve/openai_api.py")
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "BUG: errors raised by Starlette/FastAPI itself (a body that is not UTF-8 or nests too "
+    "deep, an unknown route, a wrong method) come back as {'detail': ...}, not OpenAI's "
+    "{'error': {...}}: vLLM's handler is registered for fastapi.HTTPException, Starlette "
+    "raises its own base class; see the fix proposal for spyre_serve/openai_api.py"))
 @pytest.mark.parametrize("case", ["invalid_utf8", "deep_nesting", "unknown_route", "method"])
 def test_framework_errors_are_openai_style(app, http, case):
     if case == "invalid_utf8":

@@ -110,7 +110,8 @@ def test_200_concurrent_requests_with_preemption_lose_nothing(shared_app):
     # Every KV block comes back once the replica is idle.
     kv = wait_for("every KV block to be free again", app.idle_and_empty, 60)
     after = counters(app)
-    mismatched = sorted(k for k, r in results.items() if r["text"] != reference[k % PROMPTS]["text"])
+    mismatched = sorted(k for k, r in results.items()
+                        if r["text"] != reference[k % PROMPTS]["text"])
     record("load", requests=REQUESTS, concurrency=CONCURRENCY, peak_in_flight=peak["running"],
            failures=len(failures), mismatched_text=len(mismatched),
            preemptions=after["preemptions"] - before["preemptions"],

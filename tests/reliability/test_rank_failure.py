@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from .helpers import (APP_START_TIMEOUT_S, MiB, app_args, app_status, completion_body,
+from .helpers import (APP_START_TIMEOUT_S, CARD, MiB, app_args, app_status, completion_body,
                       delete_app, deploy, metric, record, wait_for)
 
 APP = "rel-rank"
@@ -33,7 +33,7 @@ RECOVERY_BOUND_S = APP_START_TIMEOUT_S + 120
 @pytest.fixture(scope="module")
 def rank_app(serve_instance, tiny_model):
     args = app_args(tiny_model, tensor_parallel_size=2, max_num_seqs=16,
-                    card_memory_bytes=[64 * MiB, 48 * MiB],
+                    card_memory_bytes=[CARD, 160 * MiB],
                     health_check_period_s=1.0, health_check_timeout_s=10.0,
                     graceful_shutdown_timeout_s=5.0)
     started = time.monotonic()
@@ -45,7 +45,7 @@ def rank_app(serve_instance, tiny_model):
 
 def card_actor_pids() -> dict[int, str]:
     """pid -> actor id of every live card actor (SpyreRayWorkerWrapper) in this cluster."""
-    import ray._private.state as state
+    from ray._private import state
     return {a["Pid"]: a["ActorID"] for a in state.actors().values()
             if a["ActorClassName"] == "SpyreRayWorkerWrapper" and a["State"] == "ALIVE"}
 
@@ -149,7 +149,7 @@ def test_killed_rank_fails_requests_fast_and_serve_replaces_the_replica(rank_app
                 await asyncio.sleep(0.1)
             killed_at["t"] = time.monotonic()
             os.kill(victim, signal.SIGKILL)
-            done, pending = await asyncio.wait(tasks, timeout=ERROR_BOUND_S)
+            _, pending = await asyncio.wait(tasks, timeout=ERROR_BOUND_S)
             for task in pending:
                 task.cancel()
             killed_at["hung"] = len(pending)
@@ -193,9 +193,11 @@ def test_killed_rank_fails_requests_fast_and_serve_replaces_the_replica(rank_app
 
     # Nothing of the dead replica is left: its card actors are gone, and the cluster holds
     # exactly as many card actors and spyre resources as before the kill.
+    def dead_replicas_actors_gone():
+        live = card_actor_pids()
+        return live if victim not in live and survivor not in live else None
     live_after = wait_for("the dead replica's card actors to be gone",
-                          lambda: (lambda live: live if victim not in live and survivor not in live
-                                   else None)(card_actor_pids()), 60)
+                          dead_replicas_actors_gone, 60)
     wait_for("spyre resources back to the pre-kill level",
              lambda: ray.available_resources().get("spyre", 0) == spyre_free_before, 60)
 

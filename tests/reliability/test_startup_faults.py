@@ -19,7 +19,7 @@ from spyre_serve.coordinator import decide
 from spyre_serve.engine import SpyreStartupError, engine_kwargs, start_llm
 
 from . import faulty_compiler
-from .helpers import MiB, app_args, app_status, delete_app, deploy, record, wait_for
+from .helpers import CARD, MiB, app_args, delete_app, deploy, record, wait_for, wait_for_app
 from .test_rank_failure import card_actor_pids
 
 
@@ -82,7 +82,7 @@ def test_bad_report_fails_the_start_naming_file_and_cause(ray_cluster, tiny_mode
         start_llm(engine_kwargs(
             tiny_model, tensor_parallel_size=tp, max_model_len=256, max_num_seqs=2,
             # The KV program's compile is beside the point here: skip it to save time.
-            spyre={"card_memory_bytes": 64 * MiB, "report_dir": str(tmp_path),
+            spyre={"card_memory_bytes": CARD, "report_dir": str(tmp_path),
                    "compile_kv_program": False},
             worker_extension_cls=faulty_compiler.qualname()))
     failed_s = time.monotonic() - started
@@ -117,11 +117,8 @@ def test_consistent_simulated_report_is_accepted(tmp_path):
                   256).num_blocks == 40
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "BUG: a report whose num_blocks is more than its own budget figures allow "
-    "(num_blocks * bytes_per_block > memory_budget_bytes - weights - activation peak) is "
-    "accepted: neither compiler_report.read_report nor coordinator.decide checks it"))
 def test_report_claiming_more_blocks_than_its_budget_is_refused(tmp_path):
+    """Was a bug (the report was accepted); compiler_report.read_report refuses it now."""
     path = tmp_path / "sim0.json"
     write_report(path, _report(num_blocks=10_000))   # 10000 MiB of KV on a 64 MiB card
     try:
@@ -138,14 +135,13 @@ def test_too_small_card_through_serve_fails_the_deployment_and_frees_everything(
         ray_cluster, serve_instance, tiny_model):
     name = "rel-too-small"
     # Rank 1's card is far too small; rank 0's is fine: the min rule makes rank 1 the limit.
-    args = app_args(tiny_model, tensor_parallel_size=2, card_memory_bytes=[64 * MiB, 2 * MiB])
+    args = app_args(tiny_model, tensor_parallel_size=2, card_memory_bytes=[CARD, 2 * MiB])
     before = cluster_snapshot(ray_cluster)
     started = time.monotonic()
     # One attempt: Serve's default retries the constructor 3 times per replica, each a warmup.
     deploy(serve_instance, name, args, wait=False, max_constructor_retry_count=1)
     try:
-        status = wait_for(f"app {name} to fail", lambda: (lambda s: s if s is not None and
-                          s.status == "DEPLOY_FAILED" else None)(app_status(name)), 300, 1.0)
+        status = wait_for_app(name, "DEPLOY_FAILED", 300)
         failed_s = time.monotonic() - started
         message = status.deployments["SpyreLLM"].message
         for words in ("NotEnoughBlocks", "is not enough to serve the current model",
