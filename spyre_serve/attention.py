@@ -22,28 +22,45 @@ logger = get_logger(__name__)
 _program: Callable | None = None
 
 
-def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+def write_kv_flat(flat_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  slot_mapping: torch.Tensor, kv_heads: int, block_size: int,
+                  head_size: int) -> None:
     """Scatter one step's keys/values into paged blocks, in the layout vLLM's CPU kernels read.
 
-    Each block of ``kv_cache`` [num_blocks, kv_heads, block_size, 2 * head_size] holds, per
+    Each block of the cache [num_blocks, kv_heads, block_size, 2 * head_size] holds, per
     head, the keys transposed ([head_size, block_size]) followed by the values
-    ([block_size, head_size]).
+    ([block_size, head_size]). The cache comes in flat: writing 1-D positions lets inductor
+    scatter in place, where writes through views of views made it copy the whole cache.
     """
-    num_blocks, kv_heads, block_size, two_head = kv_cache.shape
-    head_size = two_head // 2
-    halves = kv_cache.view(num_blocks, kv_heads, 2, block_size * head_size)
-    keys_t = halves[:, :, 0].view(num_blocks, kv_heads, head_size, block_size)
-    values = halves[:, :, 1].view(num_blocks, kv_heads, block_size, head_size)
     block = slot_mapping // block_size
     offset = slot_mapping % block_size
-    keys_t[block, :, :, offset] = key
-    values[block, :, offset, :] = value
+    heads = torch.arange(kv_heads, device=key.device)
+    dims = torch.arange(head_size, device=key.device)
+    region = block_size * head_size
+    head_start = ((block[:, None] * kv_heads + heads[None, :]) * (2 * region))[:, :, None]
+    key_pos = head_start + dims[None, None, :] * block_size + offset[:, None, None]
+    value_pos = head_start + region + offset[:, None, None] * head_size + dims[None, None, :]
+    flat_cache.index_put_((key_pos.reshape(-1),), key.reshape(-1))
+    flat_cache.index_put_((value_pos.reshape(-1),), value.reshape(-1))
+
+
+def make_kv_program(compile_fn: Callable[[Callable], Callable] | None) -> Callable:
+    """The card's program: (kv_cache, key, value, slot_mapping), compiled by ``compile_fn``."""
+    step = compile_fn(write_kv_flat) if compile_fn else write_kv_flat
+
+    def program(kv_cache: torch.Tensor, key, value, slot_mapping) -> None:
+        _, kv_heads, block_size, two_head = kv_cache.shape
+        flat = kv_cache.view(-1)
+        for t in (flat, key, value, slot_mapping):
+            _mark_dynamic(t, 0)
+        step(flat, key, value, slot_mapping, kv_heads, block_size, two_head // 2)
+
+    return program
 
 
 def install_kv_program(compile_fn: Callable[[Callable], Callable] | None) -> None:
     global _program
-    _program = compile_fn(write_kv) if compile_fn else write_kv
+    _program = make_kv_program(compile_fn)
 
 
 def compiled_graphs() -> int:
@@ -70,9 +87,6 @@ class SpyreCardAttentionImpl(CPUAttentionBackendImpl):
             key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
         if slot_mapping.shape[0] == 0:
             return
-        _mark_dynamic(kv_cache, 0)
-        for t in (key, value, slot_mapping):
-            _mark_dynamic(t, 0)
         _program(kv_cache, key, value, slot_mapping)
 
 

@@ -3,7 +3,7 @@ import pytest
 import torch
 from vllm import _custom_ops as ops
 
-from spyre_serve.attention import compiled_graphs, write_kv
+from spyre_serve.attention import compiled_graphs, make_kv_program
 
 HEADS, BLOCK, HEAD = 2, 64, 32
 
@@ -28,22 +28,20 @@ def test_layout_matches_vllm_cpu_kernel(num_blocks, num_tokens):
     ours = torch.zeros(num_blocks, HEADS, BLOCK, 2 * HEAD)
     theirs = ours.clone()
     key, value, slots = step(num_blocks, num_tokens, seed=num_tokens)
-    write_kv(ours, key, value, slots)
+    make_kv_program(None)(ours, key, value, slots)
     vllm_write(theirs, key, value, slots)
     assert torch.equal(ours, theirs)
     assert ours.abs().sum() > 0
 
 
 def test_resizing_the_cache_reuses_the_graph_compiled_on_4_blocks():
-    program = torch.compile(write_kv, backend="inductor", dynamic=False)
+    program = make_kv_program(lambda fn: torch.compile(fn, backend="inductor", dynamic=False))
     shapes = [(4, 10), (4, 7), (613, 5), (40, 64)]  # warmup, warmup, resized..., resized
     before = compiled_graphs()
     for i, (num_blocks, num_tokens) in enumerate(shapes):
         kv = torch.zeros(num_blocks, HEADS, BLOCK, 2 * HEAD)
         reference = kv.clone()
         key, value, slots = step(num_blocks, num_tokens, seed=i)
-        for t, dim in ((kv, 0), (key, 0), (value, 0), (slots, 0)):
-            torch._dynamo.mark_dynamic(t, dim)
         program(kv, key, value, slots)
         vllm_write(reference, key, value, slots)
         assert torch.equal(kv, reference)
@@ -51,3 +49,4 @@ def test_resizing_the_cache_reuses_the_graph_compiled_on_4_blocks():
             after_warmup = compiled_graphs()
     assert after_warmup == before + 1
     assert compiled_graphs() == after_warmup
+
