@@ -89,7 +89,8 @@ def read_report(path: Path, *, device: str, rank: int, model: str, max_model_len
                           f"Spyre KV blocks are {BLOCK_SIZE} tokens. {fix}")
     if report.memory_budget_bytes and report.bytes_per_block:
         room = report.memory_budget_bytes - report.weights_bytes - report.activation_peak_bytes
-        if report.num_blocks * report.bytes_per_block > room:
+        # 0 blocks (a card too small) is the coordinator's to explain, with the fix.
+        if report.num_blocks > 0 and report.num_blocks * report.bytes_per_block > room:
             raise ReportError(
                 f"Compiler block report {path} is inconsistent: num_blocks={report.num_blocks} "
                 f"of {report.bytes_per_block} bytes need {report.num_blocks * report.bytes_per_block}"

@@ -6,6 +6,7 @@ ask each card's compiler, size. The handshake sits where vLLM asks for available
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 
 import ray
@@ -44,6 +45,21 @@ def _spyre_worker_actors():
 
 
 @contextlib.contextmanager
+def _driver_needs_no_card():
+    """vLLM insists its Ray driver (the EngineCore) sits on a node of the placement group,
+    because on GPUs the driver used to run rank 0. Here every rank is a card actor and the
+    driver touches no card; where several raylets share one host (Ray's fake multi-node
+    autoscaler, several Ray nodes on one machine) the check refuses a group that is fine."""
+    original = vllm_ray_executor.initialize_ray_cluster
+    vllm_ray_executor.initialize_ray_cluster = functools.partial(original,
+                                                                 require_gpu_on_driver=False)
+    try:
+        yield
+    finally:
+        vllm_ray_executor.initialize_ray_cluster = original
+
+
+@contextlib.contextmanager
 def _startup_errors_to_file(vllm_config):
     """vLLM's frontend only says "Engine core initialization failed"; leave it the cause."""
     try:
@@ -60,7 +76,7 @@ def _startup_errors_to_file(vllm_config):
 
 class SpyreRayExecutor(RayDistributedExecutor):
     def _init_executor(self) -> None:
-        with _startup_errors_to_file(self.vllm_config):
+        with _startup_errors_to_file(self.vllm_config), _driver_needs_no_card():
             super()._init_executor()
 
     def _init_workers_ray(self, placement_group, **ray_remote_kwargs) -> None:

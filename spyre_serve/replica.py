@@ -38,7 +38,6 @@ class SpyreLLMServer:
     async def __init__(self, app_args: dict):
         from spyre_serve.engine import engine_kwargs, start_async_engine, summarize
         from spyre_serve.openai_api import build_openai_app
-        from spyre_serve.serve_executor import ServeSpyreRayExecutor
         from spyre_serve.serving_metrics import LatestSchedulerStats, ReplicaMetrics
 
         started = time.monotonic()
@@ -48,7 +47,6 @@ class SpyreLLMServer:
         os.environ["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address
         model_path = await asyncio.to_thread(resolve_model_once_per_node, self.args.model)
         kwargs = engine_kwargs(**self.args.engine_kwargs_for(model_path))
-        kwargs["distributed_executor_backend"] = ServeSpyreRayExecutor
         self.latest_stats = LatestSchedulerStats()
         try:
             # In a thread, so this actor keeps answering Ray while the cards warm up.

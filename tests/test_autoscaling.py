@@ -200,11 +200,8 @@ def replica_generated_tokens(url: str) -> dict[str, float]:
 
 
 # On one host every fake node shares the IP, so the EngineCore (a Ray driver of its own)
-# attaches to the head's raylet and vLLM's check "driver node in the placement group" fails.
-# spyre_serve.serve_executor lifts that check, but SpyrePlatform replaces any executor that
-# is not exactly SpyreRayExecutor. Passes once the platform accepts subclasses (or
-# SpyreRayExecutor itself passes require_gpu_on_driver=False).
-@pytest.mark.xfail(strict=True, reason="needs SpyrePlatform to keep SpyreRayExecutor subclasses")
+# attaches to the head's raylet: SpyreRayExecutor lifts vLLM's "driver node in the placement
+# group" check, which on Spyre guards nothing (the driver touches no card).
 def test_load_adds_a_replica_on_a_new_spyre_node_then_scales_down(autoscaling_cluster,
                                                                      tiny_model):
     ray = autoscaling_cluster
