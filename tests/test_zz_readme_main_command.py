@@ -1,0 +1,53 @@
+"""README's main command, as a newcomer runs it: `make serve`, then the README's curl.
+
+Last in the suite (file name): `spyre-serve stop` stops every Ray on the machine.
+"""
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def readme_curl() -> str:
+    text = (ROOT / "README.md").read_text()
+    block = re.search(r"```bash\n(curl .*?)```", text, re.S).group(1)
+    return block.replace("\\\n", " ").strip()
+
+
+def test_make_serve_answers_the_readme_curl():
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    server = subprocess.Popen(["make", "serve"], cwd=ROOT, env=env, start_new_session=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    started = time.monotonic()
+    try:
+        deadline = started + 900
+        while True:
+            assert server.poll() is None, server.stdout.read()[-5000:]
+            try:
+                if httpx.get("http://127.0.0.1:8000/v1/models", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "make serve did not answer within 900 s"
+            time.sleep(2)
+        print(f"make serve answered {time.monotonic() - started:.0f} s after it started")
+        curl = subprocess.run(readme_curl(), shell=True, capture_output=True, text=True,
+                              timeout=120)
+        body = json.loads(curl.stdout)
+        assert body["object"] == "text_completion", body
+        assert body["model"] == "smollm2-135m-instruct"
+        assert 1 <= body["usage"]["completion_tokens"] <= 8
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(120)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+        subprocess.run([str(ROOT / ".venv/bin/spyre-serve"), "stop"], env=env, timeout=120)
