@@ -184,7 +184,7 @@ def start_py_spy(server) -> list[tuple[subprocess.Popen, str]]:
             continue
         role = next((w for w in wanted if w in name), None)
         if role:
-            out = server.run_dir / f"py-spy-{role}-{p.pid}.txt"
+            out = server.log_path.parent / f"py-spy-{role}-{p.pid}.txt"
             cmd = [shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy"),
                    "record", "--pid", str(p.pid), "--format", "raw", "--rate", "50",
                    "--nonblocking", "--output", str(out)]
