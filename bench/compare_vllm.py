@@ -30,6 +30,7 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import loadgen  # noqa: E402
+import pyspy_summary  # noqa: E402
 import report  # noqa: E402
 import startup  # noqa: E402
 from metrics import SchedulerWatch  # noqa: E402
@@ -122,8 +123,11 @@ async def run_phase(server, phase: dict, args) -> dict:
             results, wall = await loadgen.open_loop(url, bodies, phase["rate"], args.seed)
         else:
             results, wall = await loadgen.closed_loop(url, bodies, phase["concurrency"])
+    profile = None
     if profiler:
         stop_py_spy(profiler)
+        profile = {Path(out).name: pyspy_summary.summarize(Path(out))
+                   for _, out in profiler if Path(out).exists()}
     cpu_after = cpu_seconds_by_pid(exclude)
     own_after = cpu_seconds_by_role(own)
     client = sum(psutil.Process().cpu_times()[:2]) - client_before
@@ -144,6 +148,7 @@ async def run_phase(server, phase: dict, args) -> dict:
         "background_cores_busy": round(background / elapsed, 2),
         "background_top": describe_busiest(used, elapsed),
         "loadavg_1m_after": round(os.getloadavg()[0], 2),
+        **({"py_spy": profile} if profile else {}),
     }
 
 
