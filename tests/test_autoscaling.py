@@ -149,6 +149,9 @@ def worker_nodes(ray) -> int:
 
 def running_replicas(serve) -> int:
     app = serve.status().applications.get(APP)
+    if app is not None and app.status == "DEPLOY_FAILED":
+        # Serve would keep retrying; the cause is in the message.
+        raise AssertionError(f"{APP} failed to deploy: {app.message}")
     if app is None or "SpyreLLM" not in app.deployments:
         return 0
     return app.deployments["SpyreLLM"].replica_states.get("RUNNING", 0)
