@@ -30,3 +30,9 @@ def ray_cluster():
 
 def shutdown_llm(llm) -> None:
     llm.llm_engine.engine_core.shutdown()
+
+
+def pytest_collection_modifyitems(items):
+    # The autoscaling test runs its own Ray cluster, so it needs a process in which no test
+    # has called ray.init yet: run it first (the sort is stable, the rest keep their order).
+    items.sort(key=lambda item: item.module.__name__ != "test_autoscaling")
