@@ -22,6 +22,8 @@ def readme_curl() -> str:
 
 
 def test_make_serve_answers_the_readme_curl():
+    import ray
+    ray.shutdown()  # the suite's own local cluster: a newcomer's machine has no other Ray
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     server = subprocess.Popen(["make", "serve"], cwd=ROOT, env=env, start_new_session=True,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
