@@ -34,9 +34,8 @@ GRACEFUL_S = 20.0
 
 def args_v(tiny_model, budget_mib: int, blocks: int):
     # One sequence at a time: 4 requests in flight take a few seconds to drain, one after
-    # the other. A block override keeps decode steps fast: the compiled KV write costs time
-    # in proportion to the whole cache (see test_decode_cost.py), which would make the
-    # drain measure that bug instead of the drain.
+    # the other. A small block override keeps the engine light on a loaded machine (and, with
+    # KV programs before a433602, kept decode steps from slowing down with the cache size).
     return app_args(tiny_model, max_num_seqs=1, card_memory_bytes=budget_mib * MiB,
                     graceful_shutdown_timeout_s=GRACEFUL_S, health_check_period_s=2.0,
                     engine_kwargs={"num_gpu_blocks_override": blocks})

@@ -27,12 +27,14 @@ def cluster_snapshot(ray) -> dict:
     return {"spyre_free": ray.available_resources().get("spyre", 0),
             "groups": {gid for gid, g in ray.util.placement_group_table().items()
                        if g["state"] != "REMOVED"},
-            "card_actors": set(card_actor_pids())}
+            "card_actors": set(card_actor_pids()), "engines": engine_processes()}
 
 
-def engine_processes() -> list[psutil.Process]:
-    return [p for p in psutil.Process().children(recursive=True)
-            if "EngineCore" in " ".join(_cmdline(p))]
+def engine_processes() -> set[int]:
+    """Engine-core processes under this test process (engines it started, and those of Serve
+    replicas on its Ray node)."""
+    return {p.pid for p in psutil.Process().children(recursive=True)
+            if "EngineCore" in " ".join(_cmdline(p))}
 
 
 def _cmdline(p: psutil.Process) -> list[str]:
@@ -45,17 +47,21 @@ def _cmdline(p: psutil.Process) -> list[str]:
 def assert_nothing_left(ray, before: dict, timeout: float = 60) -> float:
     """Back to the snapshot taken before the start: cards, groups, card actors, engines."""
     started = time.monotonic()
+    left: dict = {}
 
     def clean():
         now = cluster_snapshot(ray)
-        leftover = {"spyre_free": (now["spyre_free"], before["spyre_free"]),
-                    "new_groups": now["groups"] - before["groups"],
-                    "new_card_actors": now["card_actors"] - before["card_actors"],
-                    "engine_processes": [p.pid for p in engine_processes()]}
-        ok = (now["spyre_free"] == before["spyre_free"] and not leftover["new_groups"]
-              and not leftover["new_card_actors"] and not leftover["engine_processes"])
-        return True if ok else (False, leftover)
-    wait_for("everything of the failed start to be gone", lambda: clean() is True, timeout, 0.5)
+        left.update({"spyre_free_now_vs_before": (now["spyre_free"], before["spyre_free"]),
+                     "new_groups": now["groups"] - before["groups"],
+                     "new_card_actors": now["card_actors"] - before["card_actors"],
+                     "new_engine_processes": engine_processes() - before["engines"]})
+        # >=: resources of an earlier test may still be coming back while this one runs.
+        return (now["spyre_free"] >= before["spyre_free"] and not left["new_groups"]
+                and not left["new_card_actors"] and not left["new_engine_processes"])
+    try:
+        wait_for("everything of the failed start to be gone", clean, timeout, 0.5)
+    except AssertionError as e:
+        raise AssertionError(f"{e}: left running: {left}") from None
     return time.monotonic() - started
 
 
@@ -92,8 +98,8 @@ def test_bad_report_fails_the_start_naming_file_and_cause(ray_cluster, tiny_mode
         assert w in msg, msg
     # The message names the file of the bad rank's card, and says how to fix it.
     assert str(tmp_path) in msg and ".json" in msg and "Delete" in msg, msg
-    reports = sorted(p.name for p in tmp_path.glob("sim*.json"))  # one per card
-    assert len(reports) == tp
+    # The bad rank wrote its report; the others may have been stopped before writing theirs.
+    assert 1 <= len(list(tmp_path.glob("sim*.json"))) <= tp
     cleanup_s = assert_nothing_left(ray_cluster, before)
     record(f"startup_fault[{fault}]", failed_after_s=round(failed_s, 1),
            cleaned_up_after_s=round(cleanup_s, 1), bad_rank=bad_rank, message=msg[:160])
@@ -141,14 +147,12 @@ def test_too_small_card_through_serve_fails_the_deployment_and_frees_everything(
     # One attempt: Serve's default retries the constructor 3 times per replica, each a warmup.
     deploy(serve_instance, name, args, wait=False, max_constructor_retry_count=1)
     try:
-        # pytest.fail, not assert: the xfail below is for the message only, and must not
-        # swallow a deployment that never fails or leaves something running.
         try:
             status = wait_for_app(name, "DEPLOY_FAILED", 300)
             failed_s = time.monotonic() - started
             cleanup_s = assert_nothing_left(ray_cluster, before, timeout=90)
         except AssertionError as e:
-            pytest.fail(str(e))
+            pytest.fail(str(e))  # not a wrong message: the deployment never failed, or leaked
         message = status.deployments["SpyreLLM"].message
         cause = message[message.find("SpyreStartupError"):]
         record("startup_fault[serve_too_small_card]", deploy_failed_after_s=round(failed_s, 1),
