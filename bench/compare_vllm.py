@@ -49,6 +49,13 @@ MODELS = {
 }
 
 
+# Plain vLLM with one difference from its defaults each, to split a gap into its causes.
+VLLM_VARIANTS = {
+    # spyre_serve's Ray executor cannot schedule the next step while one runs; vLLM can.
+    "sync": {"async_scheduling": False},
+}
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", choices=["tiny", "smollm2", "both"], default="both")
@@ -67,9 +74,9 @@ def parse_args(argv=None):
                    help="KV blocks for both servers (num_gpu_blocks_override), small enough that "
                         "vllm-spyre's static sizing could not run max_num_seqs; 0: the block "
                         "count spyre_serve's handshake picks, handed to vLLM too")
-    p.add_argument("--experiment", nargs="+", default=[], choices=["kv-flat"],
-                   help="try proposed spyre_serve fixes (bench/patches/sitecustomize.py) in "
-                        "the spyre_serve server; recorded in the results")
+    p.add_argument("--vllm-variants", nargs="+", default=[], choices=list(VLLM_VARIANTS),
+                   help="also measure plain vLLM with these changes, as references that "
+                        "split the gap (not part of the ratios)")
     p.add_argument("--nice", type=int, default=-10,
                    help="niceness of this process and so of both servers it starts (they "
                         "inherit it): other work on the machine, often niced itself, then "
@@ -335,7 +342,7 @@ def bench_model(model: str, args, out_dir: Path) -> dict:
               "prompt_len": args.prompt_len, "output_len": args.output_len,
               "concurrency": args.concurrency, "poisson_rate": rate, "seed": args.seed,
               "quick": args.quick, "kv_blocks_requested": args.kv_blocks,
-              "spyre_serve_patches": args.experiment}
+              "vllm_variants": args.vllm_variants}
     config["summary"] = (f"prompt {args.prompt_len} + output {args.output_len} tokens, "
                          f"max_model_len {args.max_model_len}, max_num_seqs {args.max_num_seqs}")
     vocab = vocab_size(path)
@@ -354,25 +361,25 @@ def bench_model(model: str, args, out_dir: Path) -> dict:
         spyre_dir.mkdir()
         ours = SpyreServe(spyre_dir, run_id + "s", MODEL_NAME, free_port(), app_args={
             "model": path, "served_model_name": MODEL_NAME, "max_model_len": args.max_model_len,
-            "max_num_seqs": args.max_num_seqs, "engine_kwargs": engine_kwargs},
-            patches=args.experiment)
+            "max_num_seqs": args.max_num_seqs, "engine_kwargs": engine_kwargs})
         ours.log_path = logs / "spyre_serve.log"
         servers["spyre_serve"] = serve_one(ours, args, phases, warm, first)
         block_budget = servers["spyre_serve"]["status"]["num_blocks"]
         bytes_per_block = servers["spyre_serve"]["status"]["reports"][0]["bytes_per_block"]
-        vllm_dir = scratch / "v"
-        vllm_dir.mkdir()
-        theirs = PlainVllm(vllm_dir, run_id + "v", MODEL_NAME, free_port(), model_path=path,
-                           engine_args={"max_model_len": args.max_model_len,
-                                        "max_num_seqs": args.max_num_seqs,
-                                        "block_size": BLOCK_SIZE, "dtype": "float32",
-                                        "enforce_eager": True,
-                                        "num_gpu_blocks_override": block_budget,
-                                        # Without it the CPU worker wants 92% of host memory
-                                        # free (gpu_memory_utilization) and refuses to start.
-                                        "kv_cache_memory_bytes": block_budget * bytes_per_block})
-        theirs.log_path = logs / "vllm.log"
-        servers["vllm"] = serve_one(theirs, args, phases, warm, first)
+        vllm_args = {"max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs,
+                     "block_size": BLOCK_SIZE, "dtype": "float32", "enforce_eager": True,
+                     "num_gpu_blocks_override": block_budget,
+                     # Without it the CPU worker wants 92% of host memory free
+                     # (gpu_memory_utilization) and refuses to start.
+                     "kv_cache_memory_bytes": block_budget * bytes_per_block}
+        for variant in [None] + args.vllm_variants:
+            name = "vllm" if variant is None else f"vllm_{variant}"
+            vllm_dir = scratch / name
+            vllm_dir.mkdir()
+            theirs = PlainVllm(vllm_dir, run_id + name, MODEL_NAME, free_port(), model_path=path,
+                               engine_args={**vllm_args, **VLLM_VARIANTS.get(variant, {})})
+            theirs.log_path = logs / f"{name}.log"
+            servers[name] = serve_one(theirs, args, phases, warm, first)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     ratios = report.phase_ratios(servers["spyre_serve"]["phases"], servers["vllm"]["phases"])

@@ -97,6 +97,16 @@ def table(model: str, result: dict) -> str:
                f"sequence of this load; peak running spyre_serve {_int(kv['peak_running']['spyre_serve'])}, "
                f"vllm {_int(kv['peak_running']['vllm'])}; preemptions spyre_serve "
                f"{_int(kv['preemptions']['spyre_serve'])}, vllm {_int(kv['preemptions']['vllm'])}")
+    for name, variant in result["servers"].items():
+        if name in ("spyre_serve", "vllm"):
+            continue
+        out.append(f"\nreference {name} (plain vLLM, one setting changed): tokens/s, TTFT p50 ms, "
+                   f"TPOT p50 ms; spyre_serve / {name} tokens/s")
+        for phase, measured in variant["phases"].items():
+            load = measured["load"]
+            out.append(f"  {phase:<20}{_fmt(load['output_tokens_per_s'])}{_fmt(load['ttft_ms_p50'])}"
+                       f"{_fmt(load['tpot_ms_p50'])}"
+                       f"{_fmt(ratio(ours['phases'][phase]['load']['output_tokens_per_s'], load['output_tokens_per_s']))}")
     out.append("\ntargets:")
     for name, ok in result["targets"].items():
         out.append(f"  {'PASS' if ok else ('n/a ' if ok is None else 'FAIL')}  {name}")
@@ -122,8 +132,10 @@ def plot(results: dict, path: Path) -> None:
         for col, (metric, label) in enumerate((("output_tokens_per_s", "output tokens/s"),
                                                ("ttft_ms_p50", "TTFT p50 (ms)"))):
             ax = axes[row][col]
-            for server, style in (("spyre_serve", "o-"), ("vllm", "s--")):
-                phases = results[model]["servers"][server]["phases"]
+            styles = iter(["o-", "s--", "^:", "d-."])
+            for server, measured in results[model]["servers"].items():
+                style = next(styles)
+                phases = measured["phases"]
                 points = sorted((p["concurrency"], p["load"][metric])
                                 for p in phases.values() if p.get("concurrency"))
                 ax.plot([c for c, _ in points], [v for _, v in points], style, label=server)

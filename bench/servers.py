@@ -197,20 +197,11 @@ class SpyreServe(Server):
 
     kind = "spyre_serve"
 
-    def __init__(self, *args, app_args: dict, patches: list[str] = (), **kwargs):
+    def __init__(self, *args, app_args: dict, **kwargs):
         super().__init__(*args, **kwargs)
         self.app_args = app_args
-        self.patches = list(patches)
         self.ray_port = free_port()
         self.config_path = self.run_dir / "serve_config.yaml"
-
-    def environment(self) -> dict[str, str]:
-        env = super().environment()
-        if self.patches:  # proposed fixes under trial: see bench/patches/sitecustomize.py
-            patch_dir = str(Path(__file__).resolve().parent / "patches")
-            env["PYTHONPATH"] = os.pathsep.join(filter(None, [patch_dir, env.get("PYTHONPATH")]))
-            env["SPYRE_BENCH_PATCH"] = ",".join(self.patches)
-        return env
 
     def command(self) -> list[str]:
         config = {
@@ -258,7 +249,9 @@ class PlainVllm(Server):
             flag = "--" + key.replace("_", "-")
             if value is True:
                 cmd.append(flag)
-            elif value not in (None, False):
+            elif value is False:
+                cmd.append("--no-" + flag[2:])
+            elif value is not None:
                 cmd += [flag, str(value)]
         return cmd
 
