@@ -70,10 +70,16 @@ def parse_args(argv=None):
     p.add_argument("--rate", type=float, default=None,
                    help="Poisson requests/s (default per model: tiny 4, smollm2 0.6)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeats", type=int, default=None,
+                   help="run the phase sequence this often per server, report medians "
+                        "(default 3, --quick 1)")
     p.add_argument("--kv-blocks", type=int, default=64,
                    help="KV blocks for both servers (num_gpu_blocks_override), small enough that "
                         "vllm-spyre's static sizing could not run max_num_seqs; 0: the block "
                         "count spyre_serve's handshake picks, handed to vLLM too")
+    p.add_argument("--spyre-arg", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra `args:` of spyre_serve's app (YAML value), e.g. "
+                        "stream_batching_interval_ms=20; recorded in the results")
     p.add_argument("--vllm-variants", nargs="+", default=[], choices=list(VLLM_VARIANTS),
                    help="also measure plain vLLM with these changes, as references that "
                         "split the gap (not part of the ratios)")
@@ -85,11 +91,26 @@ def parse_args(argv=None):
     p.add_argument("--start-retries", type=int, default=1)
     p.add_argument("--py-spy", action="store_true",
                    help="record spyre_serve's processes with py-spy during the top concurrency")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.repeats is None:
+        args.repeats = 1 if args.quick else 3
+    return args
 
 
 def requests_per_phase(concurrency: int, quick: bool) -> int:
-    return max(4, concurrency * (1 if quick else 3)) if concurrency > 1 else (4 if quick else 8)
+    """Whole rounds of `concurrency` requests: every user is busy until the phase ends."""
+    return max(4 if quick else 8, concurrency * (2 if quick else 4))
+
+
+def extra_app_args(pairs: list[str]) -> dict:
+    import yaml
+    extra = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise SystemExit(f"--spyre-arg {pair!r}: expected KEY=VALUE")
+        extra[key] = yaml.safe_load(value)
+    return extra
 
 
 def model_path(builder: str) -> str:
@@ -114,7 +135,7 @@ def build_phases(args, rate: float, vocab: int) -> list[dict]:
     return phases
 
 
-async def run_phase(server, phase: dict, args) -> dict:
+async def run_phase(server, phase: dict, args, profile: bool = False) -> dict:
     url = f"{server.base_url}/v1/completions"
     bodies = [loadgen.request_body(MODEL_NAME, p, args.output_len) for p in phase["prompts"]]
     own = server.processes()
@@ -123,18 +144,18 @@ async def run_phase(server, phase: dict, args) -> dict:
     own_before = cpu_seconds_by_role(own)
     client_before = sum(psutil.Process().cpu_times()[:2])
     profiler = None
-    if args.py_spy and server.kind == "spyre_serve" and phase.get("concurrency") == max(args.concurrency):
+    if profile:
         profiler = start_py_spy(server)
     async with SchedulerWatch(server.base_url) as watch:
         if "rate" in phase:
             results, wall = await loadgen.open_loop(url, bodies, phase["rate"], args.seed)
         else:
             results, wall = await loadgen.closed_loop(url, bodies, phase["concurrency"])
-    profile = None
+    profile_summary = None
     if profiler:
         stop_py_spy(profiler)
-        profile = {Path(out).name: pyspy_summary.summarize(Path(out))
-                   for _, out in profiler if Path(out).exists()}
+        profile_summary = {Path(out).name: pyspy_summary.summarize(Path(out))
+                           for _, out in profiler if Path(out).exists()}
     cpu_after = cpu_seconds_by_pid(exclude)
     own_after = cpu_seconds_by_role(own)
     client = sum(psutil.Process().cpu_times()[:2]) - client_before
@@ -155,7 +176,7 @@ async def run_phase(server, phase: dict, args) -> dict:
         "background_cores_busy": round(background / elapsed, 2),
         "background_top": describe_busiest(used, elapsed),
         "loadavg_1m_after": round(os.getloadavg()[0], 2),
-        **({"py_spy": profile} if profile else {}),
+        **({"py_spy": profile_summary} if profile_summary else {}),
     }
 
 
@@ -170,6 +191,37 @@ def describe_busiest(used: dict[int, float], elapsed: float, top: int = 3) -> li
             what = "(exited)"
         out.append(f"{seconds / elapsed:.2f} cores: pid {pid} {what}")
     return out
+
+
+def combine_repeats(measured: list[dict]) -> dict:
+    """Medians of the load figures, the scheduler's extremes, every repeat kept."""
+    def median(values):
+        values = sorted(v for v in values if v is not None)
+        return values[len(values) // 2] if values else None
+
+    loads = [m["load"] for m in measured]
+    combined = {key: median([load[key] for load in loads])
+                if isinstance(loads[0][key], (int, float)) else loads[0][key]
+                for key in loads[0]}
+    combined["errors"] = sum(load["errors"] for load in loads)
+    combined["first_errors"] = [e for load in loads for e in load["first_errors"]][:3]
+    scheduler = {"peak_running": max_of(m["scheduler"]["peak_running"] for m in measured),
+                 "peak_waiting": max_of(m["scheduler"]["peak_waiting"] for m in measured),
+                 "peak_kv_usage_perc": max_of(m["scheduler"]["peak_kv_usage_perc"] for m in measured),
+                 "preemptions": sum(m["scheduler"]["preemptions"] or 0 for m in measured)}
+    return {
+        "concurrency": measured[0]["concurrency"], "rate": measured[0]["rate"],
+        "load": combined, "scheduler": scheduler,
+        "client_cores_busy": median([m["client_cores_busy"] for m in measured]),
+        "background_cores_busy": median([m["background_cores_busy"] for m in measured]),
+        "loadavg_1m_after": [m["loadavg_1m_after"] for m in measured],
+        "repeats": measured,
+    }
+
+
+def max_of(values):
+    values = [v for v in values if v is not None]
+    return max(values) if values else None
 
 
 def cpu_seconds_by_role(processes) -> dict[str, float]:
@@ -277,13 +329,20 @@ def serve_one(server, args, phases, warm_prompts, first_prompt) -> dict:
                 f"{server.base_url}/v1/completions",
                 [loadgen.request_body(MODEL_NAME, p, args.output_len) for p in warm_prompts],
                 max(args.concurrency)))
-            result["phases"] = {}
-            for phase in phases:
-                result["phases"][phase["name"]] = asyncio.run(run_phase(server, phase, args))
-                load = result["phases"][phase["name"]]["load"]
-                print(f"    {phase['name']}: {load['output_tokens_per_s']} tok/s, TTFT p50 "
-                      f"{load['ttft_ms_p50']} ms, ITL p50 {load['itl_ms_p50']} ms, errors "
-                      f"{load['errors']}", flush=True)
+            # The whole sequence of phases, `repeats` times: a burst of other work on the
+            # machine then spoils one repeat of a phase, and the median leaves it out.
+            runs: dict[str, list[dict]] = {phase["name"]: [] for phase in phases}
+            for repeat in range(args.repeats):
+                for phase in phases:
+                    profile = (args.py_spy and repeat == 0 and server.kind == "spyre_serve"
+                               and phase.get("concurrency") == max(args.concurrency))
+                    measured = asyncio.run(run_phase(server, phase, args, profile))
+                    runs[phase["name"]].append(measured)
+                    load = measured["load"]
+                    print(f"    [{repeat + 1}/{args.repeats}] {phase['name']}: "
+                          f"{load['output_tokens_per_s']} tok/s, TTFT p50 {load['ttft_ms_p50']} ms, "
+                          f"TPOT p50 {load['tpot_ms_p50']} ms, errors {load['errors']}", flush=True)
+            result["phases"] = {name: combine_repeats(measured) for name, measured in runs.items()}
             after = memory_snapshot(server)
         result["memory"] = {"idle": idle, "after_load": after,
                             "peak_rss_mib": round(sampler.peak_rss / 2**20, 1)}
@@ -342,7 +401,8 @@ def bench_model(model: str, args, out_dir: Path) -> dict:
               "prompt_len": args.prompt_len, "output_len": args.output_len,
               "concurrency": args.concurrency, "poisson_rate": rate, "seed": args.seed,
               "quick": args.quick, "kv_blocks_requested": args.kv_blocks,
-              "vllm_variants": args.vllm_variants}
+              "vllm_variants": args.vllm_variants,
+              "spyre_serve_extra_args": extra_app_args(args.spyre_arg)}
     config["summary"] = (f"prompt {args.prompt_len} + output {args.output_len} tokens, "
                          f"max_model_len {args.max_model_len}, max_num_seqs {args.max_num_seqs}")
     vocab = vocab_size(path)
@@ -361,7 +421,8 @@ def bench_model(model: str, args, out_dir: Path) -> dict:
         spyre_dir.mkdir()
         ours = SpyreServe(spyre_dir, run_id + "s", MODEL_NAME, free_port(), app_args={
             "model": path, "served_model_name": MODEL_NAME, "max_model_len": args.max_model_len,
-            "max_num_seqs": args.max_num_seqs, "engine_kwargs": engine_kwargs})
+            "max_num_seqs": args.max_num_seqs, "engine_kwargs": engine_kwargs,
+            **extra_app_args(args.spyre_arg)})
         ours.log_path = logs / "spyre_serve.log"
         servers["spyre_serve"] = serve_one(ours, args, phases, warm, first)
         block_budget = servers["spyre_serve"]["status"]["num_blocks"]
