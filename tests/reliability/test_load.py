@@ -1,5 +1,7 @@
 """Load: 200 requests at concurrency 32, half streamed, on one replica that must preempt.
 
+50 distinct prompts, each sent 4 times (twice streamed) in a shuffled order.
+
 Every request completes with the text a one-at-a-time run of the same prompt gives
 (greedy), none is lost or duplicated (client side: one answer per request, distinct ids;
 server side: the engine finished exactly 200 and generated exactly 200 x max_tokens), vLLM
@@ -8,13 +10,14 @@ did preempt, and afterwards every KV block is free again.
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 
 from .helpers import (SHARED_BLOCKS, SHARED_MAX_NUM_SEQS, completion_body, metric, record,
                       sse_events, wait_for)
 
-PROMPTS = 100          # distinct prompts; each is sent twice, once streamed and once not
-REQUESTS = 2 * PROMPTS
+PROMPTS = 50           # distinct prompts; each is sent 4 times, twice streamed, twice not
+REQUESTS = 4 * PROMPTS
 CONCURRENCY = 32
 MAX_TOKENS = 48        # with a 30-60 token prompt: 2 blocks of 64 per sequence
 REQUEST_TIMEOUT_S = 180
@@ -46,6 +49,10 @@ async def send(client, i: int, stream: bool) -> dict:
     assert len(ids) == 1, ids
     return {"id": ids.pop(), "text": text, "finish_reason": finish[-1] if finish else None,
             "tokens": usage[-1]["completion_tokens"] if usage else None}
+
+
+def streamed(k: int) -> bool:
+    return (k // PROMPTS) % 2 == 1
 
 
 def counters(app) -> dict:
@@ -89,8 +96,8 @@ def test_200_concurrent_requests_with_preemption_lose_nothing(shared_app):
                 running += 1
                 peak["running"] = max(peak["running"], running)
                 try:
-                    result = await asyncio.wait_for(send(client, k % PROMPTS, k >= PROMPTS),
-                                                    REQUEST_TIMEOUT_S)
+                    result = await asyncio.wait_for(
+                        send(client, k % PROMPTS, streamed(k)), REQUEST_TIMEOUT_S)
                     assert k not in results, f"request {k} answered twice"
                     results[k] = result
                 except Exception as e:  # noqa: BLE001 - every failure is counted and shown
@@ -99,8 +106,9 @@ def test_200_concurrent_requests_with_preemption_lose_nothing(shared_app):
                     running -= 1
 
         async with app.async_client() as client:
-            # Interleave streamed and plain requests.
-            order = [k for pair in zip(range(PROMPTS), range(PROMPTS, REQUESTS)) for k in pair]
+            # Streamed and plain requests, and the copies of one prompt, in a mixed order.
+            order = list(range(REQUESTS))
+            random.Random(5).shuffle(order)
             await asyncio.gather(*(one(client, k) for k in order))
 
     started = time.monotonic()
