@@ -60,5 +60,9 @@ class FaultyCompiler:
 def qualname(cwd: Path | None = None) -> str:
     """The dotted name card actors can import: they find modules from the driver's cwd."""
     here = Path(__file__).resolve().with_suffix("")
-    rel = here.relative_to((cwd or Path.cwd()).resolve())
+    root = (cwd or Path.cwd()).resolve()
+    if not here.is_relative_to(root):
+        raise RuntimeError(f"card actors import {here.name} from the test's working directory: "
+                           f"run pytest from the repository root, not {root}")
+    rel = here.relative_to(root)
     return ".".join(rel.parts) + ".FaultyCompiler"
