@@ -45,7 +45,7 @@ MODEL_NAME = "bench-model"
 # measures latency at a steady load rather than an ever-growing queue.
 MODELS = {
     "tiny": {"builder": "tiny_llama", "rate": 4.0},
-    "smollm2": {"builder": "smollm2", "rate": 0.6},
+    "smollm2": {"builder": "smollm2", "rate": 0.3},
 }
 
 
@@ -68,7 +68,7 @@ def parse_args(argv=None):
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     p.add_argument("--rate", type=float, default=None,
-                   help="Poisson requests/s (default per model: tiny 4, smollm2 0.6)")
+                   help="Poisson requests/s (default per model: tiny 4, smollm2 0.3)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=None,
                    help="run the phase sequence this often per server, report medians "
@@ -80,6 +80,9 @@ def parse_args(argv=None):
     p.add_argument("--spyre-arg", action="append", default=[], metavar="KEY=VALUE",
                    help="extra `args:` of spyre_serve's app (YAML value), e.g. "
                         "stream_batching_interval_ms=20; recorded in the results")
+    p.add_argument("--spyre-env", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra environment of the spyre-serve command (Ray's workers and the "
+                        "EngineCore inherit it), e.g. OMP_NUM_THREADS=1; recorded in the results")
     p.add_argument("--vllm-variants", nargs="+", default=[], choices=list(VLLM_VARIANTS),
                    help="also measure plain vLLM with these changes, as references that "
                         "split the gap (not part of the ratios)")
@@ -87,6 +90,8 @@ def parse_args(argv=None):
                    help="niceness of this process and so of both servers it starts (they "
                         "inherit it): other work on the machine, often niced itself, then "
                         "disturbs the measurement less; 0 leaves it")
+    p.add_argument("--spyre-only", action="store_true",
+                   help="measure spyre_serve alone (tuning runs: absolutes, no ratios)")
     p.add_argument("--start-timeout", type=float, default=900)
     p.add_argument("--start-retries", type=int, default=1)
     p.add_argument("--py-spy", action="store_true",
@@ -402,7 +407,8 @@ def bench_model(model: str, args, out_dir: Path) -> dict:
               "concurrency": args.concurrency, "poisson_rate": rate, "seed": args.seed,
               "quick": args.quick, "kv_blocks_requested": args.kv_blocks,
               "vllm_variants": args.vllm_variants,
-              "spyre_serve_extra_args": extra_app_args(args.spyre_arg)}
+              "spyre_serve_extra_args": extra_app_args(args.spyre_arg),
+              "spyre_serve_extra_env": args.spyre_env}
     config["summary"] = (f"prompt {args.prompt_len} + output {args.output_len} tokens, "
                          f"max_model_len {args.max_model_len}, max_num_seqs {args.max_num_seqs}")
     vocab = vocab_size(path)
@@ -422,7 +428,8 @@ def bench_model(model: str, args, out_dir: Path) -> dict:
         ours = SpyreServe(spyre_dir, run_id + "s", MODEL_NAME, free_port(), app_args={
             "model": path, "served_model_name": MODEL_NAME, "max_model_len": args.max_model_len,
             "max_num_seqs": args.max_num_seqs, "engine_kwargs": engine_kwargs,
-            **extra_app_args(args.spyre_arg)})
+            **extra_app_args(args.spyre_arg)},
+            extra_env=dict(pair.split("=", 1) for pair in args.spyre_env))
         ours.log_path = logs / "spyre_serve.log"
         servers["spyre_serve"] = serve_one(ours, args, phases, warm, first)
         block_budget = servers["spyre_serve"]["status"]["num_blocks"]
@@ -433,7 +440,7 @@ def bench_model(model: str, args, out_dir: Path) -> dict:
                      # Without it the CPU worker wants 92% of host memory free
                      # (gpu_memory_utilization) and refuses to start.
                      "kv_cache_memory_bytes": block_budget * bytes_per_block}
-        for variant in [None] + args.vllm_variants:
+        for variant in ([] if args.spyre_only else [None]) + args.vllm_variants:
             name = "vllm" if variant is None else f"vllm_{variant}"
             vllm_dir = scratch / name
             vllm_dir.mkdir()
@@ -443,6 +450,8 @@ def bench_model(model: str, args, out_dir: Path) -> dict:
             servers[name] = serve_one(theirs, args, phases, warm, first)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+    if "vllm" not in servers:  # --spyre-only: a tuning run, absolutes only
+        return {"config": config, "servers": servers}
     ratios = report.phase_ratios(servers["spyre_serve"]["phases"], servers["vllm"]["phases"])
     return {
         "config": config,
@@ -490,7 +499,8 @@ def main(argv=None) -> int:
     for model in models:
         document["models"][model] = bench_model(model, args, out.parent / out.stem)
         out.write_text(json.dumps(document, indent=1))  # after each model: a crash keeps the first
-        print(report.table(model, document["models"][model]), flush=True)
+        if "ratios" in document["models"][model]:
+            print(report.table(model, document["models"][model]), flush=True)
     document["meta"]["loadavg_at_end"] = [round(x, 2) for x in os.getloadavg()]
     out.write_text(json.dumps(document, indent=1))
     png = out.with_suffix(".png")

@@ -197,11 +197,15 @@ class SpyreServe(Server):
 
     kind = "spyre_serve"
 
-    def __init__(self, *args, app_args: dict, **kwargs):
+    def __init__(self, *args, app_args: dict, extra_env: dict | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.app_args = app_args
+        self.extra_env = extra_env or {}
         self.ray_port = free_port()
         self.config_path = self.run_dir / "serve_config.yaml"
+
+    def environment(self) -> dict[str, str]:
+        return {**super().environment(), **self.extra_env}
 
     def command(self) -> list[str]:
         config = {
