@@ -213,7 +213,9 @@ def combine_repeats(measured: list[dict]) -> dict:
     scheduler = {"peak_running": max_of(m["scheduler"]["peak_running"] for m in measured),
                  "peak_waiting": max_of(m["scheduler"]["peak_waiting"] for m in measured),
                  "peak_kv_usage_perc": max_of(m["scheduler"]["peak_kv_usage_perc"] for m in measured),
-                 "preemptions": sum(m["scheduler"]["preemptions"] or 0 for m in measured)}
+                 "preemptions": sum(m["scheduler"]["preemptions"] or 0 for m in measured),
+                 "server_ttft_ms_mean": median([m["scheduler"]["server_ttft_ms_mean"] for m in measured]),
+                 "server_itl_ms_mean": median([m["scheduler"]["server_itl_ms_mean"] for m in measured])}
     return {
         "concurrency": measured[0]["concurrency"], "rate": measured[0]["rate"],
         "load": combined, "scheduler": scheduler,

@@ -69,6 +69,10 @@ class SchedulerWatch:
         def delta(name):
             return self.after.get(name, 0.0) - self.before.get(name, 0.0)
 
+        def mean_ms(histogram):
+            count = delta(histogram + "_count")
+            return round(1000 * delta(histogram + "_sum") / count, 2) if count else None
+
         usage = peak("vllm:kv_cache_usage_perc")
         return {
             "peak_running": peak("vllm:num_requests_running"),
@@ -76,5 +80,9 @@ class SchedulerWatch:
             "peak_kv_usage_perc": None if usage is None else round(usage * 100, 1),
             "preemptions": delta("vllm:num_preemptions_total"),
             "server_generation_tokens": delta("vllm:generation_tokens_total"),
+            # The engine frontend's own clock (mean over the phase): a gap to the client's
+            # figures is time spent between the frontend and the client (HTTP, proxy).
+            "server_ttft_ms_mean": mean_ms("vllm:time_to_first_token_seconds"),
+            "server_itl_ms_mean": mean_ms("vllm:inter_token_latency_seconds"),
             "samples": len(self.samples),
         }

@@ -62,6 +62,12 @@ def table(model: str, result: dict) -> str:
         kv_o, kv_t = ours["phases"][phase]["scheduler"], theirs["phases"][phase]["scheduler"]
         out.append(f"{phase:<22}{'peak running / preempt':<22}"
                    f"{_fmt(_running_and_preempted(kv_o), 12)}{_fmt(_running_and_preempted(kv_t), 12)}")
+        out.append(f"{phase:<22}{'server-side TTFT ms':<22}"
+                   f"{_fmt(kv_o['server_ttft_ms_mean'], 12)}{_fmt(kv_t['server_ttft_ms_mean'], 12)}"
+                   f"{_fmt(ratio(kv_o['server_ttft_ms_mean'], kv_t['server_ttft_ms_mean']))}")
+        out.append(f"{phase:<22}{'server-side ITL ms':<22}"
+                   f"{_fmt(kv_o['server_itl_ms_mean'], 12)}{_fmt(kv_t['server_itl_ms_mean'], 12)}"
+                   f"{_fmt(ratio(kv_o['server_itl_ms_mean'], kv_t['server_itl_ms_mean']))}")
         out.append(f"{phase:<22}{'client cores busy':<22}"
                    f"{_fmt(ours['phases'][phase]['client_cores_busy'], 12)}"
                    f"{_fmt(theirs['phases'][phase]['client_cores_busy'], 12)}")
