@@ -88,11 +88,11 @@ def table(model: str, result: dict) -> str:
     out.append(f"{'memory':<22}{'processes':<22}{_fmt(o, 12)}{_fmt(t, 12)}")
     out.append("\nspyre_serve start, step by step (s):")
     for step in ours["start_breakdown"]:
-        out.append(f"  {step['step']:<46}{_fmt(step['seconds'], 8)}")
-    out.append(f"  {'coordinator handshake (report -> resized)':<46}{_fmt(ours['handshake_s'], 8)}")
+        out.append(f"  {step['step']:<54}{_fmt(step['seconds'], 8)}")
+    out.append(f"  {'coordinator handshake (report -> resized)':<54}{_fmt(ours['handshake_s'], 8)}")
     out.append("plain vLLM start, step by step (s):")
     for step in theirs["start_breakdown"]:
-        out.append(f"  {step['step']:<46}{_fmt(step['seconds'], 8)}")
+        out.append(f"  {step['step']:<54}{_fmt(step['seconds'], 8)}")
     kv = result["kv_usefulness"]
     out.append(f"\nKV usefulness, {kv['block_budget']} blocks of 64 tokens on each server:")
     out.append(f"  vllm-spyre static sizing: {kv['static_blocks_per_seq']} blocks reserved per "

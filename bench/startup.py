@@ -18,9 +18,10 @@ SPYRE_MILESTONES = [
     ("ray_started", r"Ray runtime started", "first"),
     ("replica_added", r"Adding 1 replica to Deployment", "first"),
     ("engine_init", r"Initializing a V1 LLM engine", "first"),
-    # The card actors' own log lines do not reach the driver; vLLM's weight-loading
-    # progress bar (stderr) does, timed on arrival.
-    ("card_actors_up", r"Loading safetensors checkpoint shards:\s+0%", "first"),
+    # The card actors' INFO log never reaches the driver (their vLLM logger has no
+    # handler); vLLM's weight-loading progress bar (stderr) does, timed on arrival. Its 0%
+    # and 100% lines arrive together (one line, ended at 100%), so actor start and weight
+    # loading cannot be told apart from here.
     ("weights_loaded", r"Loading safetensors checkpoint shards: 100%", "first"),
     ("reports_gathered", r"Spyre block reports:", "first"),
     ("decided", r"Spyre KV cache: \d+ blocks", "first"),
@@ -35,8 +36,7 @@ SPYRE_STEPS = [
     ("Ray start (`ray start --head`)", "cli_checked_ray", "ray_started"),
     ("serve run: connect, controller, deploy", "ray_started", "replica_added"),
     ("replica actor + EngineCore process", "replica_added", "engine_init"),
-    ("card worker actors (placement, init_device)", "engine_init", "card_actors_up"),
-    ("model load (read weights)", "card_actors_up", "weights_loaded"),
+    ("card actors + model load (placement, init, weights)", "engine_init", "weights_loaded"),
     ("after load, until warmup", "weights_loaded", "warmup_started"),
     ("warmup on 4 blocks", "warmup_started", "reports_written"),
     ("compiler report -> executor", "reports_written", "reports_gathered"),
