@@ -90,6 +90,10 @@ def parse_args(argv=None):
                    help="niceness of this process and so of both servers it starts (they "
                         "inherit it): other work on the machine, often niced itself, then "
                         "disturbs the measurement less; 0 leaves it")
+    p.add_argument("--pin-card-actor", action="store_true",
+                   help="experiment: once spyre_serve is up, pin its card actor to CPU 0 and its "
+                        "other processes to the other CPUs, the layout vLLM's multiprocessing "
+                        "executor gives its worker (VLLM_CPU_OMP_THREADS_BIND=auto); recorded")
     p.add_argument("--spyre-only", action="store_true",
                    help="measure spyre_serve alone (tuning runs: absolutes, no ratios)")
     p.add_argument("--start-timeout", type=float, default=900)
@@ -185,6 +189,22 @@ async def run_phase(server, phase: dict, args, profile: bool = False) -> dict:
     }
 
 
+def pin_card_actor(server) -> dict:
+    """Every thread of the card actors on CPU 0, every thread of the rest on the others."""
+    cpus = sorted(os.sched_getaffinity(0))
+    card, rest = {cpus[0]}, set(cpus[1:]) or {cpus[0]}
+    pinned = {}
+    for p in server.processes():
+        try:
+            target = card if "SpyreRayWorker" in p.name() else rest
+            for thread in p.threads():
+                os.sched_setaffinity(thread.id, target)
+            pinned[f"{p.name()}[{p.pid}]"] = sorted(target)
+        except (psutil.Error, OSError):
+            continue
+    return pinned
+
+
 def describe_busiest(used: dict[int, float], elapsed: float, top: int = 3) -> list[str]:
     out = []
     for pid, seconds in sorted(used.items(), key=lambda kv: -kv[1])[:top]:
@@ -216,14 +236,21 @@ def combine_repeats(measured: list[dict]) -> dict:
                  "preemptions": sum(m["scheduler"]["preemptions"] or 0 for m in measured),
                  "server_ttft_ms_mean": median([m["scheduler"]["server_ttft_ms_mean"] for m in measured]),
                  "server_itl_ms_mean": median([m["scheduler"]["server_itl_ms_mean"] for m in measured])}
+    spread = {key: [min_of(load[key] for load in loads), max_of(load[key] for load in loads)]
+              for key in ("output_tokens_per_s", "ttft_ms_p50", "tpot_ms_p50")}
     return {
         "concurrency": measured[0]["concurrency"], "rate": measured[0]["rate"],
-        "load": combined, "scheduler": scheduler,
+        "load": combined, "load_range_over_repeats": spread, "scheduler": scheduler,
         "client_cores_busy": median([m["client_cores_busy"] for m in measured]),
         "background_cores_busy": median([m["background_cores_busy"] for m in measured]),
         "loadavg_1m_after": [m["loadavg_1m_after"] for m in measured],
         "repeats": measured,
     }
+
+
+def min_of(values):
+    values = [v for v in values if v is not None]
+    return min(values) if values else None
 
 
 def max_of(values):
@@ -330,6 +357,8 @@ def serve_one(server, args, phases, warm_prompts, first_prompt) -> dict:
                                      "max_model_len", "ready_seconds", "first_request_seconds",
                                      "reports")}
                 result["status"]["warmup"] = [r.get("warmup") for r in status.get("ranks", [])]
+            if args.pin_card_actor and server.kind == "spyre_serve":
+                result["pinned"] = pin_card_actor(server)
             time.sleep(2)  # let the start's last allocations settle before the idle snapshot
             idle = memory_snapshot(server)
             asyncio.run(loadgen.closed_loop(
@@ -410,7 +439,8 @@ def bench_model(model: str, args, out_dir: Path) -> dict:
               "quick": args.quick, "kv_blocks_requested": args.kv_blocks,
               "vllm_variants": args.vllm_variants,
               "spyre_serve_extra_args": extra_app_args(args.spyre_arg),
-              "spyre_serve_extra_env": args.spyre_env}
+              "spyre_serve_extra_env": args.spyre_env,
+              "spyre_serve_card_actor_pinned": args.pin_card_actor}
     config["summary"] = (f"prompt {args.prompt_len} + output {args.output_len} tokens, "
                          f"max_model_len {args.max_model_len}, max_num_seqs {args.max_num_seqs}")
     vocab = vocab_size(path)

@@ -59,6 +59,10 @@ def table(model: str, result: dict) -> str:
         for m in LOAD_METRICS:
             out.append(f"{phase:<22}{m:<22}{_fmt(ours['phases'][phase]['load'][m], 12)}"
                        f"{_fmt(theirs['phases'][phase]['load'][m], 12)}{_fmt(r[m])}")
+        spread_o = ours["phases"][phase].get("load_range_over_repeats", {}).get("output_tokens_per_s")
+        spread_t = theirs["phases"][phase].get("load_range_over_repeats", {}).get("output_tokens_per_s")
+        if spread_o and spread_t and len(ours["phases"][phase].get("repeats", [])) > 1:
+            out.append(f"{phase:<22}{'tokens/s min..max':<22}{_span(spread_o):>12}{_span(spread_t):>12}")
         kv_o, kv_t = ours["phases"][phase]["scheduler"], theirs["phases"][phase]["scheduler"]
         out.append(f"{phase:<22}{'peak running / preempt':<22}"
                    f"{_fmt(_running_and_preempted(kv_o), 12)}{_fmt(_running_and_preempted(kv_t), 12)}")
@@ -117,6 +121,10 @@ def table(model: str, result: dict) -> str:
     for name, ok in result["targets"].items():
         out.append(f"  {'PASS' if ok else ('n/a ' if ok is None else 'FAIL')}  {name}")
     return "\n".join(out)
+
+
+def _span(values) -> str:
+    return f"{values[0]:.0f}..{values[1]:.0f}"
 
 
 def _running_and_preempted(scheduler: dict) -> str:
