@@ -91,10 +91,12 @@ class FakeAutoscalingCluster:
         env = {**os.environ, "RAY_FAKE_CLUSTER": "1", "AUTOSCALER_UPDATE_INTERVAL_S": "1",
                "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                # `ray start` turns token auth on, ray.init in a test process does not.
-               "RAY_AUTH_MODE": "disabled"}
+               "RAY_AUTH_MODE": "disabled",
+               # CI runs the venv's Python unactivated: its `ray` is not on PATH.
+               "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
         env.pop("RAY_ADDRESS", None)
         self.process = subprocess.Popen(
-            ["ray", "start", "--head", "--block", f"--port={self.address.rsplit(':', 1)[1]}", "--num-cpus=1",
+            [str(Path(sys.executable).with_name("ray")), "start", "--head", "--block", f"--port={self.address.rsplit(':', 1)[1]}", "--num-cpus=1",
              f"--autoscaling-config={self.config}", f"--temp-dir={self.root / 'ray'}",
              "--include-dashboard=false", "--disable-usage-stats"],
             env=env, stdout=open(self.root / "head.log", "w"), stderr=subprocess.STDOUT,
