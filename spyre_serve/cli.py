@@ -1,8 +1,9 @@
 """spyre-serve: give this machine's Ray node its `spyre` resources, and run the Serve app.
 
     spyre-serve start [--cards N]     local Ray head with real cards, or N simulated ones
-    spyre-serve run serve_config.yaml start Ray if needed, then `serve run` the config
-    spyre-serve stop                  stop the local Ray started here
+    spyre-serve run serve_config.yaml start Ray if needed, then `serve run` the config;
+                                      Ctrl-C / SIGTERM drain the apps, then stop Serve
+    spyre-serve stop                  drain the Serve apps, then stop the local Ray started here
 """
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ import importlib.util
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 DEFAULT_SIMULATED_CARDS = 4
@@ -129,12 +132,57 @@ def run(config: Path, cards: int | None, num_cpus: int | None, port: int,
         code = start(cards, num_cpus, port, temp_dir)
         if code != 0:
             return code
-    serve = tool("serve")
-    # exec: `serve run` gets the terminal and the signals (Ctrl-C, SIGTERM) directly.
-    os.execvp(serve, [serve, "run", str(config)])
+    return supervise([tool("serve"), "run", str(config)], os.environ["RAY_ADDRESS"])
 
 
-def stop() -> int:
+def die_with_parent() -> None:
+    """In the child: SIGTERM when this process dies, even by SIGKILL (Linux prctl)."""
+    import ctypes
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def supervise(cmd: list[str], address: str) -> int:
+    """Run `serve run`; on Ctrl-C or SIGTERM drain the apps before Serve shuts down.
+
+    `serve run` itself answers Ctrl-C with `serve.shutdown()`, which cuts in-flight streams
+    (see spyre_serve.shutdown), so the child runs in its own process group, out of reach of
+    the terminal's and a supervisor's group signals, and this process drains first.
+    """
+    stop_asked = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop_asked.set())
+    child = subprocess.Popen(cmd, process_group=0, preexec_fn=die_with_parent)
+    while child.poll() is None and not stop_asked.wait(0.5):
+        pass
+    if child.poll() is not None:
+        return child.returncode
+    print("spyre-serve: draining the Serve applications, then shutting Serve down",
+          file=sys.stderr, flush=True)
+    try:
+        from spyre_serve.shutdown import drain_cluster
+        drain_cluster(address)
+    finally:
+        child.terminate()
+        try:
+            child.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            child.kill()
+    return 0
+
+
+def stop(temp_dir: str | None = None) -> int:
+    use_ray_token_auth()
+    address = running_cluster(temp_dir)
+    if address:
+        from spyre_serve.shutdown import drain_cluster
+        try:
+            drained = drain_cluster(address)
+            print(f"spyre-serve: drained {drained or 'no'} Serve application(s)",
+                  file=sys.stderr, flush=True)
+        except Exception as e:  # a half-dead cluster must still be stoppable
+            print(f"spyre-serve: could not drain Serve ({e}); stopping Ray anyway",
+                  file=sys.stderr, flush=True)
     return subprocess.call([tool("ray"), "stop"])
 
 

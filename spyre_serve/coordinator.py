@@ -80,12 +80,13 @@ def decide(reports: list[dict], max_model_len: int, override: int | None = None)
     if usable < need:
         fits = max(0, usable) * BLOCK_SIZE
         raise NotEnoughBlocks(
-            f"Number of pages available on Spyre {usable} is not enough to serve the current "
+            f"Number of pages available on Spyre {max(0, usable)} is not enough to serve the current "
             f"model (need at least {need} pages). The limit comes from {source}: {num_blocks} "
             f"blocks of {BLOCK_SIZE} tokens, one of which vLLM reserves, while max_model_len="
             f"{max_model_len} needs {need}. The estimated maximum model length that fits is "
-            f"{fits}. Fix: set max_model_len <= {fits}, give that card more memory "
-            f"(card_memory_bytes for simulated cards), or use more tensor-parallel ranks.")
+            f"{fits}. Fix: {f'set max_model_len <= {fits}, ' if fits else ''}give that card "
+            f"more memory (card_memory_bytes for simulated cards), or use more tensor-parallel "
+            f"ranks.")
     decision = Decision(num_blocks=num_blocks, limiting_rank=limiting["rank"],
                         max_model_len=max_model_len, blocks_needed=need, override=override,
                         reports=sorted(reports, key=lambda r: r["rank"]))

@@ -53,3 +53,11 @@ def test_table_has_a_row_per_rank():
     table = report_table([report(1, 5), report(0, 7)])
     lines = table.splitlines()
     assert len(lines) == 3 and lines[1].split()[0] == "0" and lines[2].split()[2] == "5"
+
+
+def test_a_card_with_no_room_at_all_asks_for_memory_not_a_zero_length():
+    with pytest.raises(NotEnoughBlocks) as e:
+        decide([report(0, 0)], max_model_len=256)
+    msg = str(e.value)
+    assert "available on Spyre 0 is" in msg
+    assert "max_model_len <=" not in msg and "give that card more memory" in msg

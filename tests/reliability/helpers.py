@@ -147,6 +147,12 @@ class ServeInstance:
             serve.shutdown()
             self.port = None
 
+    def drain_and_shutdown(self) -> None:
+        """What `spyre-serve run` does on Ctrl-C / SIGTERM and `spyre-serve stop` does."""
+        from spyre_serve.shutdown import drain_and_shutdown
+        drain_and_shutdown()
+        self.port = None
+
 
 def app_args(tiny_model: str, **overrides):
     from spyre_serve.app import AppArgs

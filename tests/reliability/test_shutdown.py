@@ -10,8 +10,10 @@ over a few seconds.
    replica and complete there.
 2. Deleting an app (`serve.delete`) while 4 streams are in flight: all 4 complete in full
    and the replica drains within the graceful timeout.
-3. `serve.shutdown()` while 4 streams are in flight: Serve kills its HTTP proxies at the
-   start of a shutdown, so in-flight HTTP requests are cut (a bug, xfail below).
+3. Shutting Serve down while 4 streams are in flight, the way `spyre-serve run` does on
+   Ctrl-C / SIGTERM (spyre_serve.shutdown: delete the apps, then `serve.shutdown()`): all 4
+   complete. Ray Serve 2.60's bare `serve.shutdown()` (what plain `serve run` does) kills
+   its HTTP proxies first and cuts them.
 """
 from __future__ import annotations
 
@@ -237,18 +239,13 @@ def test_deleting_an_app_lets_in_flight_streams_finish(shared_app, ray_cluster):
     assert app_status(app.name) is None
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "BUG (Ray Serve 2.60, surfaced through spyre-serve run / serve run on SIGTERM or Ctrl-C): "
-    "serve.shutdown() ray.kill()s the HTTP proxies as its first step (ProxyState.shutdown), "
-    "so in-flight HTTP streams are cut at once while the replicas would still drain; "
-    "see the fix proposal for spyre_serve/cli.py (delete the apps, then shut down)"))
 def test_serve_shutdown_lets_in_flight_streams_finish(drain_app, serve_instance, ray_cluster):
     # The drain app, on its new version since the update; the shutdown takes down
     # everything on this Serve instance.
     app = drain_app
     wait_for("an idle replica", app.idle_and_empty, 60)
     timing: dict = {}
-    results = asyncio.run(streams_across(app, serve_instance.shutdown, "s", timing))
+    results = asyncio.run(streams_across(app, serve_instance.drain_and_shutdown, "s", timing))
     t0 = timing["stop_called"]
     wait_for("every card to be free after shutdown",
              lambda: ray_cluster.available_resources().get("spyre", 0) ==
@@ -260,3 +257,6 @@ def test_serve_shutdown_lets_in_flight_streams_finish(drain_app, serve_instance,
            shutdown_returned_after_s=round(timing["stop_returned"] - t0, 1))
     assert len(results) == IN_FLIGHT
     assert not failed, failed
+    assert timing["streams_done"] - t0 < GRACEFUL_S
+    from ray import serve
+    assert not serve.status().applications  # drained, then shut down
