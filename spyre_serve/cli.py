@@ -171,9 +171,9 @@ def supervise(cmd: list[str], address: str) -> int:
     return 0
 
 
-def stop(temp_dir: str | None = None) -> int:
+def stop() -> int:
     use_ray_token_auth()
-    address = running_cluster(temp_dir)
+    address = running_cluster()
     if address:
         from spyre_serve.shutdown import drain_cluster
         try:

@@ -78,9 +78,10 @@ def decide(reports: list[dict], max_model_len: int, override: int | None = None)
                   f"{limiting['source']} report)")
     usable = num_blocks - RESERVED_BLOCKS
     if usable < need:
-        fits = max(0, usable) * BLOCK_SIZE
+        available = max(0, usable)
+        fits = available * BLOCK_SIZE
         raise NotEnoughBlocks(
-            f"Number of pages available on Spyre {max(0, usable)} is not enough to serve the current "
+            f"Number of pages available on Spyre {available} is not enough to serve the current "
             f"model (need at least {need} pages). The limit comes from {source}: {num_blocks} "
             f"blocks of {BLOCK_SIZE} tokens, one of which vLLM reserves, while max_model_len="
             f"{max_model_len} needs {need}. The estimated maximum model length that fits is "

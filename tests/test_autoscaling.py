@@ -26,6 +26,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from spyre_serve.cli import tool
+
 MiB = 2**20
 APP = "autoscale"
 NODE_TYPE = "spyre.worker"
@@ -96,7 +98,7 @@ class FakeAutoscalingCluster:
                "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
         env.pop("RAY_ADDRESS", None)
         self.process = subprocess.Popen(
-            [str(Path(sys.executable).with_name("ray")), "start", "--head", "--block", f"--port={self.address.rsplit(':', 1)[1]}", "--num-cpus=1",
+            [tool("ray"), "start", "--head", "--block", f"--port={self.address.rsplit(':', 1)[1]}", "--num-cpus=1",
              f"--autoscaling-config={self.config}", f"--temp-dir={self.root / 'ray'}",
              "--include-dashboard=false", "--disable-usage-stats"],
             env=env, stdout=open(self.root / "head.log", "w"), stderr=subprocess.STDOUT,
