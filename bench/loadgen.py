@@ -81,6 +81,9 @@ async def one_request(session: aiohttp.ClientSession, url: str, body: dict) -> R
                 result.output_tokens = tokens
     except (aiohttp.ClientError, asyncio.TimeoutError) as e:
         result.error = f"{type(e).__name__}: {e}"
+    if result.error is None and result.first_token is None:
+        # Counted as an error either way; named, so the verdict can say what went wrong.
+        result.error = "the stream ended without a token"
     result.done = time.perf_counter()
     return result
 
@@ -140,6 +143,9 @@ def percentile(values: list[float], q: float) -> float | None:
 
 
 def summarize(results: list[RequestResult], wall_s: float, expected_output: int) -> dict:
+    """The phase's figures over the requests that succeeded. A failed request leaves the
+    token count and the latency percentiles, so these figures are only comparable when
+    `errors` and `short_outputs` are 0: bench/verdict.py judges nothing otherwise."""
     ok = [r for r in results if r.error is None and r.first_token is not None]
     ttfts = [r.ttft for r in ok]
     # Inter-token latency as a client lives it: the wait between two chunks that bring

@@ -1,14 +1,13 @@
-"""Ratios, targets, the printed table and the plot of one benchmark run."""
+"""Ratios, the printed table (verdicts included) and the plot of one benchmark run.
+
+What a run may conclude is decided in bench/verdict.py; this module only shows it.
+"""
 from __future__ import annotations
 
 from pathlib import Path
 
 LOAD_METRICS = ["output_tokens_per_s", "requests_per_s", "ttft_ms_p50", "ttft_ms_p99",
                 "itl_ms_p50", "itl_ms_p99", "tpot_ms_p50", "tokens_per_chunk"]
-# Targets from the issue, for spyre_serve / vLLM.
-THROUGHPUT_FLOOR = 0.95
-TTFT_P50_CEILING = 1.10
-HANDSHAKE_CEILING_S = 1.0
 
 
 def ratio(ours, theirs):
@@ -21,25 +20,6 @@ def phase_ratios(ours: dict, theirs: dict) -> dict:
     return {name: {m: ratio(ours[name]["load"].get(m), theirs[name]["load"].get(m))
                    for m in LOAD_METRICS}
             for name in ours if name in theirs}
-
-
-def targets(ratios: dict, handshake_s: float | None) -> dict:
-    checks = {}
-    for phase, r in ratios.items():
-        if phase.startswith("concurrency"):
-            checks[f"{phase}: tokens/s >= {THROUGHPUT_FLOOR}x"] = _at_least(r["output_tokens_per_s"], THROUGHPUT_FLOOR)
-        checks[f"{phase}: TTFT p50 <= {TTFT_P50_CEILING}x"] = _at_most(r["ttft_ms_p50"], TTFT_P50_CEILING)
-    checks[f"coordinator handshake < {HANDSHAKE_CEILING_S} s"] = \
-        None if handshake_s is None else handshake_s < HANDSHAKE_CEILING_S
-    return checks
-
-
-def _at_least(value, floor):
-    return None if value is None else value >= floor
-
-
-def _at_most(value, ceiling):
-    return None if value is None else value <= ceiling
 
 
 def _fmt(value, width=10):
@@ -59,6 +39,9 @@ def table(model: str, result: dict) -> str:
         for m in LOAD_METRICS:
             out.append(f"{phase:<22}{m:<22}{_fmt(ours['phases'][phase]['load'][m], 12)}"
                        f"{_fmt(theirs['phases'][phase]['load'][m], 12)}{_fmt(r[m])}")
+        for m in ("errors", "short_outputs"):  # summed over repeats; not 0: INVALID
+            out.append(f"{phase:<22}{m:<22}{_fmt(ours['phases'][phase]['load'].get(m), 12)}"
+                       f"{_fmt(theirs['phases'][phase]['load'].get(m), 12)}")
         spread_o = ours["phases"][phase].get("load_range_over_repeats", {}).get("output_tokens_per_s")
         spread_t = theirs["phases"][phase].get("load_range_over_repeats", {}).get("output_tokens_per_s")
         if spread_o and spread_t and len(ours["phases"][phase].get("repeats", [])) > 1:
@@ -90,13 +73,14 @@ def table(model: str, result: dict) -> str:
     out.append(f"{'memory':<22}{'peak RSS sum MiB':<22}{_fmt(o, 12)}{_fmt(t, 12)}{_fmt(ratio(o, t))}")
     o, t = ours["memory"]["idle"]["processes"], theirs["memory"]["idle"]["processes"]
     out.append(f"{'memory':<22}{'processes':<22}{_fmt(o, 12)}{_fmt(t, 12)}")
-    out.append("\nspyre_serve start, step by step (s):")
+    out += _settings_lines(ours, theirs)
+    out.append("\nspyre_serve start, step by step (s), first session:")
     for step in ours["start_breakdown"]:
-        out.append(f"  {step['step']:<54}{_fmt(step['seconds'], 8)}")
+        out.append(f"  {step['step']:<54}{_fmt(step['seconds'], 8)}{_note(step)}")
     out.append(f"  {'coordinator handshake (report -> resized)':<54}{_fmt(ours['handshake_s'], 8)}")
-    out.append("plain vLLM start, step by step (s):")
+    out.append("plain vLLM start, step by step (s), first session:")
     for step in theirs["start_breakdown"]:
-        out.append(f"  {step['step']:<54}{_fmt(step['seconds'], 8)}")
+        out.append(f"  {step['step']:<54}{_fmt(step['seconds'], 8)}{_note(step)}")
     kv = result["kv_usefulness"]
     out.append(f"\nKV usefulness, {kv['block_budget']} blocks of 64 tokens on each server:")
     out.append(f"  vllm-spyre static sizing: {kv['static_blocks_per_seq']} blocks reserved per "
@@ -110,17 +94,60 @@ def table(model: str, result: dict) -> str:
     for name, variant in result["servers"].items():
         if name in ("spyre_serve", "vllm"):
             continue
-        out.append(f"\nreference {name} (plain vLLM, one setting changed): tokens/s, TTFT p50 ms, "
-                   f"TPOT p50 ms; spyre_serve / {name} tokens/s")
+        out.append(f"\nreference {name} (plain vLLM again, after the comparison; not judged): "
+                   f"tokens/s, TTFT p50 ms, TPOT p50 ms; spyre_serve / {name} tokens/s")
         for phase, measured in variant["phases"].items():
             load = measured["load"]
             out.append(f"  {phase:<20}{_fmt(load['output_tokens_per_s'])}{_fmt(load['ttft_ms_p50'])}"
                        f"{_fmt(load['tpot_ms_p50'])}"
                        f"{_fmt(ratio(ours['phases'][phase]['load']['output_tokens_per_s'], load['output_tokens_per_s']))}")
-    out.append("\ntargets:")
-    for name, ok in result["targets"].items():
-        out.append(f"  {'PASS' if ok else ('n/a ' if ok is None else 'FAIL')}  {name}")
+    out += verdict_lines(result)
     return "\n".join(out)
+
+
+def verdict_lines(result: dict) -> list[str]:
+    """Each target's verdict with the figures behind it, then the run's."""
+    out = [f"\ntargets (median of per-repeat ratios; order {' '.join(result['config'].get('run_order', []))}):"]
+    for name, v in result["targets"].items():
+        figures = ""
+        if v.get("median") is not None:
+            figures = (f"median {v['median']:.3f}, per repeat "
+                       f"{' '.join('-' if x is None else f'{x:.3f}' for x in v['per_repeat'])}, "
+                       f"spread {v['spread']:.3f}, margin {v['margin']:.3f}")
+        out.append(f"  {v['verdict']:<13}{name}: {figures}")
+        if v["verdict"] not in ("PASS", "FAIL", "INVALID"):
+            out.append(f"  {'':<13}{v['reason']}")
+    overall = result["verdict"]
+    out.append(f"verdict: {overall['verdict']}")
+    out += [f"  {reason}" for reason in overall["reasons"][:10]]
+    if len(overall["reasons"]) > 10:
+        out.append(f"  ... {len(overall['reasons']) - 10} more in the JSON")
+    return out
+
+
+def _settings_lines(ours: dict, theirs: dict) -> list[str]:
+    """What each server really ran with (first session; every session is in the JSON)."""
+    def settings(server):
+        return (server.get("sessions") or [{}])[0].get("settings") or {}
+
+    so, st = settings(ours), settings(theirs)
+    out = ["\nsettings each server ran with (first session):",
+           f"  {'':<40}{'spyre_serve':>14}{'vllm':>14}"]
+    for key in ("kv_blocks", "block_size", "dtype", "kv_cache_dtype", "async_scheduling"):
+        out.append(f"  {key:<40}{_fmt(so.get(key), 14)}{_fmt(st.get(key), 14)}")
+    for label, s in (("spyre_serve", so), ("vllm", st)):
+        threads = s.get("threads") or {}
+        described = ", ".join(f"{p['name'][:28]} {p['threads']} threads (OMP_NUM_THREADS at start "
+                              f"{p['omp_num_threads_at_start'] or 'unset'})"
+                              for p in threads.get("processes", []))
+        out.append(f"  {label} threads: {described or '-'}")
+        if threads.get("card_actor_torch_threads") is not None:
+            out.append(f"  {label} card actor torch threads: {threads['card_actor_torch_threads']}")
+    return out
+
+
+def _note(step: dict) -> str:
+    return f"  ({step['note']})" if step.get("note") else ""
 
 
 def _span(values) -> str:

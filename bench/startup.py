@@ -106,16 +106,27 @@ def spyre_status_milestones(status: dict) -> dict[str, float]:
 
 
 def breakdown(milestones: dict[str, float], steps) -> list[dict]:
-    """Step durations; a step whose ends are missing, or run backwards, is None."""
+    """Step durations, never negative: a step whose ends are missing, or run backwards, is
+    None. Ends run backwards when their times come from different clocks (a line's arrival
+    through Ray's log monitor is late; a stamp in the line, or /spyre/status, is not): the
+    raw difference is kept beside a note, and the steps around it absorb the gap."""
     out = []
     for name, start, end in steps:
         a, b = milestones.get(start), milestones.get(end)
-        seconds = round(b - a, 3) if a is not None and b is not None else None
-        out.append({"step": name, "seconds": seconds, "from": start, "to": end})
+        step = {"step": name, "seconds": None, "from": start, "to": end}
+        if a is not None and b is not None:
+            if b >= a:
+                step["seconds"] = round(b - a, 3)
+            else:
+                step["raw_seconds"] = round(b - a, 3)
+                step["note"] = (f"'{end}' stamped {a - b:.3f} s before '{start}': "
+                                f"the two times come from different clocks")
+        out.append(step)
     return out
 
 
 def handshake_seconds(milestones: dict[str, float]) -> float | None:
-    """Last report written -> every rank holds the decided size (report, min, broadcast)."""
+    """Last report written -> every rank holds the decided size (report, min, broadcast);
+    None if either end is missing or they run backwards (see breakdown)."""
     a, b = milestones.get("reports_written"), milestones.get("resized")
-    return None if a is None or b is None else round(b - a, 3)
+    return None if a is None or b is None or b < a else round(b - a, 3)

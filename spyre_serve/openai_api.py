@@ -96,11 +96,33 @@ def vllm_frontend_args(engine_kwargs: dict[str, Any]) -> argparse.Namespace:
     return argparse.Namespace(**(vars(FrontendArgs()) | vars(engine_args)))
 
 
+class ReplicaHeader:
+    """Plain ASGI middleware: every response names the replica that made it
+    (`x-spyre-replica`), so a client, a log or a test can tell which replica served it.
+
+    Not Starlette's BaseHTTPMiddleware, which would wrap every streamed chunk in a task.
+    """
+
+    def __init__(self, app, replica_id: str):
+        self.app, self.header = app, (b"x-spyre-replica", replica_id.encode())
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def send_tagged(message):
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), self.header]}
+            await send(message)
+        await self.app(scope, receive, send_tagged)
+
+
 async def build_openai_app(engine, engine_kwargs: dict[str, Any], *,
                            status: Callable[[], Awaitable[dict]],
-                           metrics: Callable[[], bytes],
+                           metrics: Callable[[], bytes], replica_id: str,
                            stream_batching_interval_s: float = 0.0) -> FastAPI:
     app = FastAPI(title="spyre_serve", docs_url=None, redoc_url=None)
+    app.add_middleware(ReplicaHeader, replica_id=replica_id)
     await init_app_state(engine, app.state, vllm_frontend_args(engine_kwargs),
                          supported_tasks=await engine.get_supported_tasks())
     # vLLM's engine-error handler asks a uvicorn server to exit; here Serve's health check

@@ -45,6 +45,10 @@ class SpyreLLMServer:
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         # The EngineCore is a subprocess and a Ray driver of its own: point it at our cluster.
         os.environ["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address
+        # vLLM stops its EngineCore with SIGTERM on every normal shutdown, and Ray's failure
+        # signal handler (installed in every Ray driver) would print a crash-like stack dump
+        # for it. A real EngineCore crash is still reported by vLLM, with its exit code.
+        os.environ["RAY_DISABLE_FAILURE_SIGNAL_HANDLER"] = "1"
         model_path = await asyncio.to_thread(resolve_model_once_per_node, self.args.model)
         kwargs = engine_kwargs(**self.args.engine_kwargs_for(model_path))
         self.latest_stats = LatestSchedulerStats()
@@ -63,6 +67,7 @@ class SpyreLLMServer:
         self.metrics = ReplicaMetrics(self.replica_id, self.args.model_name, self.kv_blocks)
         self.api = await build_openai_app(
             self.engine, kwargs, status=self.status, metrics=self.metrics.exposition,
+            replica_id=self.replica_id,
             stream_batching_interval_s=self.args.stream_batching_interval_ms / 1000)
         self.ready_seconds = time.monotonic() - started
         logger.info("replica %s ready in %.1f s: %d KV blocks of %d tokens per card "

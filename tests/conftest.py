@@ -1,4 +1,8 @@
 import os
+import signal
+import subprocess
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -6,8 +10,17 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+# Deterministic auth whatever ~/.ray holds: the suite's clusters run without Ray's token
+# auth, as spyre-serve's do by default (test_readme_commands covers the token mode).
+os.environ["RAY_AUTH_MODE"] = "disabled"
+os.environ.pop("RAY_ADDRESS", None)  # never attach to a Ray this suite did not start
 
-MiB = 2**20
+SUITE_CARDS = 8
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: starts an engine or a Serve app (`-m 'not slow'` "
+                                       "runs the engine-free tests in seconds)")
 
 
 @pytest.fixture(scope="session")
@@ -17,22 +30,61 @@ def tiny_model() -> str:
 
 
 @pytest.fixture(scope="session")
-def ray_cluster():
-    """One local Ray node with 8 simulated cards, shared by every engine test."""
+def suite_cluster():
+    """One local Ray node with 8 simulated cards for the whole run, in a temp dir of its own.
+
+    A `ray start --block` child, not `ray.init()`: a test that needs a Ray driver of its own
+    (the autoscaling test) can disconnect and the next test reconnects; SIGTERM to this one
+    process stops this cluster and no other Ray on the machine.
+    """
+    from spyre_serve.cli import tool
+    from support import free_port, wait_for
+    root = Path(tempfile.mkdtemp(prefix="rt-", dir="/tmp"))  # short: Ray's socket paths
+    port = free_port()
+    head = subprocess.Popen(
+        [tool("ray"), "start", "--head", "--block", f"--port={port}", "--num-cpus=8",
+         f"--resources={{\"spyre\": {SUITE_CARDS}}}", "--include-dashboard=false",
+         "--disable-usage-stats", f"--temp-dir={root}"],
+        stdout=open(root.parent / f"{root.name}.log", "w"), stderr=subprocess.STDOUT,
+        start_new_session=True)
+    from ray.util import get_node_ip_address
+    address = f"{get_node_ip_address()}:{port}"
+
+    def connects() -> bool:
+        assert head.poll() is None, (root.parent / f"{root.name}.log").read_text()[-3000:]
+        return subprocess.run([tool("ray"), "status", f"--address={address}"],
+                              capture_output=True).returncode == 0
+    wait_for("the suite's Ray head", connects, 120, 1)
+    yield address
     import ray
-    ray.init(resources={"spyre": 8}, num_cpus=8, include_dashboard=False,
-             log_to_driver=False)
-    os.environ["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address
+    ray.shutdown()
+    head.send_signal(signal.SIGTERM)
+    try:
+        head.wait(120)
+    except subprocess.TimeoutExpired:
+        head.kill()
+
+
+@pytest.fixture(scope="session")
+def ray_cluster(suite_cluster):
+    """This process's Ray driver, on the suite's cluster.
+
+    A module that needs a driver of its own (test_autoscaling) puts this one back after it.
+    """
+    import ray
+    connect_driver(suite_cluster)
     yield ray
     os.environ.pop("RAY_ADDRESS", None)
-    ray.shutdown()
+
+
+def connect_driver(address: str) -> None:
+    import ray
+    if ray.is_initialized():
+        ray.shutdown()
+    ray.init(address=address, log_to_driver=False)
+    # The EngineCore of an in-process engine is a Ray driver of its own: it finds us here.
+    os.environ["RAY_ADDRESS"] = address
 
 
 def shutdown_llm(llm) -> None:
     llm.llm_engine.engine_core.shutdown()
-
-
-def pytest_collection_modifyitems(items):
-    # The autoscaling test runs its own Ray cluster, so it needs a process in which no test
-    # has called ray.init yet: run it first (the sort is stable, the rest keep their order).
-    items.sort(key=lambda item: item.module.__name__ != "test_autoscaling")

@@ -33,7 +33,11 @@ def token_ids(outputs):
 
 
 def metric(llm, name):
-    return sum(m.value for m in llm.get_metrics() if m.name == name and hasattr(m, "value"))
+    """A gauge's or counter's value; an unknown name fails (a rename must not read as 0)."""
+    values = [m.value for m in llm.get_metrics() if m.name == name and hasattr(m, "value")]
+    if not values:
+        raise KeyError(f"the engine has no gauge or counter called {name!r}")
+    return sum(values)
 
 
 

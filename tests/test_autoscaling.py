@@ -15,28 +15,23 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 import httpx
 import pytest
 
 from spyre_serve.cli import tool
+from support import MiB, free_port, wait_for
 
-MiB = 2**20
+pytestmark = pytest.mark.slow
 APP = "autoscale"
 NODE_TYPE = "spyre.worker"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def fake_autoscaling_config(gcs_address: str, head_cpus: int, worker_resources: dict,
@@ -67,23 +62,12 @@ def fake_autoscaling_config(gcs_address: str, head_cpus: int, worker_resources: 
     }
 
 
-def wait_for(what: str, condition, timeout: float, interval: float = 1.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(interval)
-
-
 class FakeAutoscalingCluster:
     def __init__(self, root: Path, worker_resources: dict, max_workers: int):
         self.root = root
         from ray.util import get_node_ip_address
         # The head binds the node IP, not 127.0.0.1.
-        self.address = f"{get_node_ip_address()}:{_free_port()}"
+        self.address = f"{get_node_ip_address()}:{free_port()}"
         self.config = root / "autoscaling.json"
         self.config.write_text(json.dumps(
             fake_autoscaling_config(self.address, 1, worker_resources, max_workers)))
@@ -124,10 +108,14 @@ class FakeAutoscalingCluster:
 
 @pytest.fixture(scope="module")
 def autoscaling_cluster(tiny_model):
+    """Its own fake cluster and this process's driver on it; the suite's driver (if any)
+    is put back afterwards, so this module runs in any order."""
     import ray
-    if ray.is_initialized():
-        pytest.fail("this module needs a Ray driver of its own: run it in its own pytest "
-                    "process (or before modules that use the ray_cluster fixture)")
+
+    from conftest import connect_driver
+    previous = ray.get_runtime_context().gcs_address if ray.is_initialized() else None
+    ray.shutdown()
+    saved_address = os.environ.pop("RAY_ADDRESS", None)
     root = Path(tempfile.mkdtemp(prefix="sas-", dir="/tmp"))
     cluster = FakeAutoscalingCluster(root, {"CPU": 1, "spyre": 1}, max_workers=2)
     address = cluster.start()
@@ -137,6 +125,10 @@ def autoscaling_cluster(tiny_model):
     finally:
         ray.shutdown()
         cluster.stop()
+        if saved_address is not None:
+            os.environ["RAY_ADDRESS"] = saved_address
+        if previous is not None:
+            connect_driver(previous)
 
 
 def _try_connect(ray, address: str) -> bool:
@@ -168,13 +160,16 @@ def pending_spyre_groups(ray) -> int:
 
 
 class Load:
-    """Keeps `concurrency` completions in flight until stopped."""
+    """Keeps `concurrency` completions in flight until stopped; counts, per replica, the
+    client completions each one answered (the `x-spyre-replica` response header), so a
+    replica's own startup request can never pass for client traffic."""
 
     def __init__(self, url: str, model: str, concurrency: int):
         self.url, self.model, self.stop_event = url, model, threading.Event()
         self.threads = [threading.Thread(target=self._run, daemon=True)
                         for _ in range(concurrency)]
         self.completed = 0
+        self.by_replica: Counter[str] = Counter()
 
     def _run(self):
         with httpx.Client(timeout=300) as client:
@@ -182,8 +177,9 @@ class Load:
                 r = client.post(f"{self.url}/v1/completions", json={
                     "model": self.model, "prompt": "the quick brown fox", "max_tokens": 48,
                     "ignore_eos": True})
-                if r.status_code == 200:
+                if r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 48:
                     self.completed += 1
+                    self.by_replica[r.headers["x-spyre-replica"]] += 1
 
     def __enter__(self):
         for t in self.threads:
@@ -194,16 +190,6 @@ class Load:
         self.stop_event.set()
         for t in self.threads:
             t.join(timeout=300)
-
-
-def replica_generated_tokens(url: str) -> dict[str, float]:
-    """generation tokens per replica, from one scrape (Serve picks the replica)."""
-    text = httpx.get(f"{url}/metrics", timeout=30).text
-    replica = next(line.split('replica="')[1].split('"')[0] for line in text.splitlines()
-                   if line.startswith("spyre_kv_blocks_total{"))
-    tokens = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                 if line.startswith("vllm:generation_tokens_total{"))
-    return {replica: tokens}
 
 
 # On one host every fake node shares the IP, so the EngineCore (a Ray driver of its own)
@@ -217,7 +203,7 @@ def test_load_adds_a_replica_on_a_new_spyre_node_then_scales_down(autoscaling_cl
     from deployments.openai_app import build_app
     from spyre_serve.app import AppArgs
 
-    port = _free_port()
+    port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
     url = f"http://127.0.0.1:{port}"
     args = AppArgs(model=tiny_model, served_model_name="tiny", max_model_len=256,
@@ -248,13 +234,13 @@ def test_load_adds_a_replica_on_a_new_spyre_node_then_scales_down(autoscaling_cl
         timeline["second_replica_ready"] = time.monotonic() - load_started
 
         def second_replica_served():
-            seen = replica_generated_tokens(url)
-            return {r: n for r, n in seen.items() if r != first and n > 0}
-        served = wait_for("the second replica to serve completions", second_replica_served,
-                          300, 0.5)
+            return {r: n for r, n in load.by_replica.items() if r != first and n > 0}
+        served = wait_for("the second replica to answer client completions",
+                          second_replica_served, 300, 0.5)
         timeline["second_replica_served"] = time.monotonic() - load_started
         (second,) = served
-    assert load.completed > 0
+    assert load.by_replica[first] > 0, load.by_replica
+    print("client completions per replica:", dict(load.by_replica))
     print("autoscale-up timeline (s since load began):", timeline)
 
     # The new replica sized its own cards: its status carries its own handshake.

@@ -3,24 +3,18 @@
 One app for the whole module (engine start is the slow part): a 2-card replica whose
 simulated cards have different budgets, so the handshake has a limiting rank to show.
 """
-import os
-import socket
 import time
 
 import httpx
 import openai
 import pytest
 
-MiB = 2**20
+from support import MiB, free_port, metric
+
+pytestmark = pytest.mark.slow
 MODEL = "tiny-test"
 MAX_MODEL_LEN = 256
 BUDGETS = [256 * MiB, 160 * MiB]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +24,7 @@ def server(ray_cluster, tiny_model):
     from deployments.openai_app import build_app
     from spyre_serve.app import AppArgs
 
-    port = _free_port()
+    port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     args = AppArgs(model=tiny_model, served_model_name=MODEL, tensor_parallel_size=2,
                    card_memory_bytes=BUDGETS, max_model_len=MAX_MODEL_LEN, max_num_seqs=4,
@@ -164,9 +158,15 @@ def test_metrics_expose_spyre_and_vllm_kv_figures(server):
                         "vllm:time_to_first_token_seconds_bucket",
                         "vllm:generation_tokens_total", "vllm:prompt_tokens_total"):
         assert f'{vllm_metric}{{' in text, vllm_metric
-    generated = [line for line in text.splitlines()
-                 if line.startswith("vllm:generation_tokens_total{")]
-    assert float(generated[0].rsplit(" ", 1)[1]) > 0
+    # Client traffic moves vLLM's counter by exactly what the client was told it got (the
+    # replica's own startup request happened before `before`).
+    before = metric(text, "vllm:generation_tokens_total")
+    result = httpx.post(f"{server}/v1/completions", timeout=120, json={
+        "model": MODEL, "prompt": "count me", "max_tokens": 5, "ignore_eos": True}).json()
+    after = metric(httpx.get(f"{server}/metrics", timeout=30).text,
+                   "vllm:generation_tokens_total")
+    assert result["usage"]["completion_tokens"] == 5
+    assert after - before == 5
 
 
 def test_card_actors_run_in_the_replicas_placement_group(server, ray_cluster):
@@ -185,4 +185,7 @@ def test_card_actors_run_in_the_replicas_placement_group(server, ray_cluster):
 def test_health_is_ok(server):
     response = httpx.get(f"{server}/health", timeout=30)
     assert response.status_code == 200
-    assert os.environ.get("RAY_ADDRESS")  # the engine subprocesses found the cluster this way
+    assert response.json() == {"status": "ok"}
+    # Every response names its replica: the one the status endpoint reports.
+    assert response.headers["x-spyre-replica"] == \
+        httpx.get(f"{server}/spyre/status", timeout=60).json()["replica"]

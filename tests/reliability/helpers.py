@@ -13,9 +13,8 @@ import time
 from dataclasses import dataclass, field
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
+from support import MiB, free_port, metric, wait_for  # noqa: F401 (re-exported)
 
-MiB = 2**20
 MODEL = "tiny-rel"
 MAX_MODEL_LEN = 256
 # An engine start (model load, warmup, handshake) is 20-50 s on 2 busy cores.
@@ -25,33 +24,14 @@ APP_START_TIMEOUT_S = 240
 CARD = 256 * MiB
 
 
-def wait_for(what: str, condition, timeout: float, interval: float = 0.25):
-    """Poll `condition` until it returns something truthy; fail after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}; "
-                                 f"last value: {value!r}")
-        time.sleep(interval)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def metric(text: str, name: str, **labels: str) -> float:
-    """Sum of the samples called `name` (whose labels include `labels`) in a scrape."""
-    total = 0.0
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                total += sample.value
-    return total
+def serve_controller_running() -> bool:
+    import ray
+    try:
+        # Serve's controller, by the name and namespace Ray Serve gives it.
+        ray.get_actor("SERVE_CONTROLLER_ACTOR", namespace="serve")
+        return True
+    except ValueError:
+        return False
 
 
 def sse_events(lines) -> list[dict]:
@@ -127,12 +107,9 @@ class ServeInstance:
         self.port: int | None = None
 
     def alive(self) -> bool:
-        from ray import serve
-        try:
-            serve.status()
-        except Exception:
-            return False
-        return self.port is not None
+        """Serve's controller actor exists (serve.status() answers "no apps" when Serve is
+        down, so it cannot tell) and our proxy port is known."""
+        return self.port is not None and serve_controller_running()
 
     def ensure(self) -> int:
         from ray import serve

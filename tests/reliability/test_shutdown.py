@@ -25,7 +25,9 @@ import time
 import httpx
 import pytest
 
-from .helpers import (APP_START_TIMEOUT_S, MiB, app_args, app_status, completion_body, delete_app,
+from support import port_open
+
+from .helpers import (serve_controller_running, APP_START_TIMEOUT_S, MiB, app_args, app_status, completion_body, delete_app,
                       deploy, metric, record, wait_for, wait_for_app)
 
 APP = "rel-drain"
@@ -258,5 +260,6 @@ def test_serve_shutdown_lets_in_flight_streams_finish(drain_app, serve_instance,
     assert len(results) == IN_FLIGHT
     assert not failed, failed
     assert timing["streams_done"] - t0 < GRACEFUL_S
-    from ray import serve
-    assert not serve.status().applications  # drained, then shut down
+    # Drained, then shut down: Serve's controller is gone and its proxy port closed.
+    assert not serve_controller_running()
+    assert not port_open(int(app.url.split(":")[2].split("/")[0]))

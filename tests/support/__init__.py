@@ -1,0 +1,110 @@
+"""Helpers shared by every test module: ports, bounded waits, scrapes, and process hygiene.
+
+One copy of each, so a fix lands everywhere (tests/reliability/helpers.py re-exports them).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import time
+from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
+
+MiB = 2**20
+ROOT = Path(__file__).resolve().parents[2]
+VENV_BIN = ROOT / ".venv" / "bin"
+
+
+def wait_for(what: str, condition, timeout: float, interval: float = 0.25):
+    """Poll `condition` until it returns something truthy; fail after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}; "
+                                 f"last value: {value!r}")
+        time.sleep(interval)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def port_open(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket() as s:
+        s.settimeout(2)
+        return s.connect_ex((host, port)) == 0
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """Sum of the samples called `name` (whose labels include `labels`) in a scrape.
+
+    A name the scrape does not have at all is an error, not 0: a renamed metric must fail
+    the test that reads it rather than read as "nothing happened".
+    """
+    total, seen = 0.0, False
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name:
+                seen = True
+                if all(sample.labels.get(k) == v for k, v in labels.items()):
+                    total += sample.value
+    if not seen:
+        raise KeyError(f"no metric called {name!r} in this scrape")
+    return total
+
+
+def processes_mentioning(marker: str) -> list[int]:
+    """Pids whose command line contains `marker` (e.g. a Ray temp dir of a test's own)."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit() and int(proc.name) != os.getpid():
+            try:
+                if marker.encode() in (proc / "cmdline").read_bytes():
+                    pids.append(int(proc.name))
+            except OSError:
+                pass
+    return pids
+
+
+def processes_in_sessions(sessions: set[int]) -> list[int]:
+    """Pids in the given process sessions. Ray's daemons and workers keep the session of
+    the command that started them (their titles are rewritten, so a marker misses them)."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit() and int(proc.name) != os.getpid():
+            try:
+                if os.getsid(int(proc.name)) in sessions:
+                    pids.append(int(proc.name))
+            except OSError:
+                pass
+    return pids
+
+
+def kill_processes_mentioning(marker: str, sig: int = signal.SIGKILL) -> list[int]:
+    """Stop only what a test started, never `ray stop` (which stops every Ray here)."""
+    pids = processes_mentioning(marker)
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+    return pids
+
+
+def newcomer_env(home: Path, ray_tmpdir: Path) -> dict[str, str]:
+    """A newcomer's environment: an empty HOME, a Ray temp dir of our own, no Ray settings.
+
+    PIP_CACHE_DIR stays (installs stay fast); RAY_* and the suite's own variables go.
+    """
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("RAY_") and k not in ("VIRTUAL_ENV", "PYTHONPATH")}
+    env.update(HOME=str(home), RAY_TMPDIR=str(ray_tmpdir), HF_HUB_OFFLINE="1",
+               TRANSFORMERS_OFFLINE="1")
+    return env
