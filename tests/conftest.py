@@ -18,10 +18,6 @@ os.environ.pop("RAY_ADDRESS", None)  # never attach to a Ray this suite did not 
 SUITE_CARDS = 8
 
 
-def pytest_configure(config):
-    config.addinivalue_line("markers", "slow: starts an engine or a Serve app (`-m 'not slow'` "
-                                       "runs the engine-free tests in seconds)")
-
 
 @pytest.fixture(scope="session")
 def tiny_model() -> str:

@@ -195,6 +195,7 @@ class Load:
 # On one host every fake node shares the IP, so the EngineCore (a Ray driver of its own)
 # attaches to the head's raylet: SpyreRayExecutor lifts vLLM's "driver node in the placement
 # group" check, which on Spyre guards nothing (the driver touches no card).
+@pytest.mark.timeout(3000)
 def test_load_adds_a_replica_on_a_new_spyre_node_then_scales_down(autoscaling_cluster,
                                                                      tiny_model):
     ray = autoscaling_cluster

@@ -1,9 +1,12 @@
+import pytest
 """README's `bench/engine_start.py` runs and writes the figures it prints."""
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
 

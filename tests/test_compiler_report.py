@@ -72,3 +72,10 @@ def test_more_blocks_than_its_own_budget_allows_is_refused(tmp_path):
     write_report(path, good(num_blocks=7, **figures))
     with pytest.raises(ReportError, match=f"{path} is inconsistent: num_blocks=7"):
         read_report(path, **EXPECT, not_before=0)
+
+
+def test_builtin_model_cache_is_keyed_by_what_built_it():
+    from spyre_serve.models import builder_key
+    assert builder_key("tiny", 1024) == builder_key("tiny", 1024)
+    assert builder_key("tiny", 1024) != builder_key("tiny", 2048)
+    assert builder_key("tiny", 1024) != builder_key("smollm2")

@@ -24,7 +24,7 @@ def test_minimum_over_ranks_wins_and_names_the_rank():
 
 def test_override_wins_over_reports():
     d = decide([report(0, 900), report(1, 300)], max_model_len=256, override=40)
-    assert d.num_blocks == 40 and d.override == 40
+    assert (d.num_blocks, d.usable_blocks) == (40, 39)  # below every report: the override
 
 
 def test_one_full_length_request_must_fit_after_the_null_block():

@@ -3,8 +3,10 @@ import time
 
 import pytest
 
-from conftest import MiB
+from support import MiB
 from spyre_serve.engine import SpyreStartupError, engine_kwargs, start_llm
+
+pytestmark = pytest.mark.slow
 
 
 def assert_nothing_left(ray, timeout=60):

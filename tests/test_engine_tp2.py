@@ -1,6 +1,7 @@
 """The real engine on two simulated cards of different budgets: one Ray actor per card."""
 import pytest
-from conftest import MiB, shutdown_llm
+from conftest import shutdown_llm
+from support import MiB
 from engine_helpers import (
     MAX_MODEL_LEN,
     assert_greedy_matches_transformers,
@@ -8,6 +9,8 @@ from engine_helpers import (
 )
 
 from spyre_serve.engine import engine_kwargs, start_llm, summarize
+
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")

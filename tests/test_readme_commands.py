@@ -129,6 +129,7 @@ def stream_then_signal(process: psutil.Process | subprocess.Popen, sig=signal.SI
     assert len([first, *rest]) == 48
 
 
+@pytest.mark.timeout(1800)
 def test_make_serve_from_a_pristine_home(newcomer, tmp_path):
     log = tmp_path / "make-serve.log"
     started = time.monotonic()

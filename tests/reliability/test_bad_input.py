@@ -22,6 +22,8 @@ from hypothesis import strategies as st
 
 from .helpers import MAX_MODEL_LEN, MODEL, record
 
+pytestmark = pytest.mark.slow
+
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 COMPLETION = {"model": MODEL, "prompt": "hello there", "max_tokens": 2}
 CHAT_BODY = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 2}

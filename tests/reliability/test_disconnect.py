@@ -12,6 +12,9 @@ import asyncio
 import time
 
 from .helpers import completion_body, metric, record, sse_events, wait_for
+import pytest
+
+pytestmark = pytest.mark.slow
 
 DISCONNECTS = 50
 LONG_TOKENS = 200      # what a disconnected stream asked for (prompt + 200 < 256)

@@ -16,6 +16,9 @@ import time
 
 from .helpers import (SHARED_BLOCKS, SHARED_MAX_NUM_SEQS, completion_body, metric, record,
                       sse_events, wait_for)
+import pytest
+
+pytestmark = pytest.mark.slow
 
 PROMPTS = 50           # distinct prompts; each is sent 4 times, twice streamed, twice not
 REQUESTS = 4 * PROMPTS

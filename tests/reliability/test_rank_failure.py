@@ -22,6 +22,8 @@ import pytest
 from .helpers import (APP_START_TIMEOUT_S, CARD, MiB, app_args, app_status, completion_body,
                       delete_app, deploy, metric, record, wait_for)
 
+pytestmark = pytest.mark.slow
+
 APP = "rel-rank"
 STREAMS = 6
 PLAIN = 4

@@ -30,6 +30,8 @@ from support import port_open
 from .helpers import (serve_controller_running, APP_START_TIMEOUT_S, MiB, app_args, app_status, completion_body, delete_app,
                       deploy, metric, record, wait_for, wait_for_app)
 
+pytestmark = pytest.mark.slow
+
 APP = "rel-drain"
 TOKENS = 64
 IN_FLIGHT = 4

@@ -9,6 +9,7 @@ card actor, placement group, `spyre` resource or engine process of it survives.
 """
 from __future__ import annotations
 
+import json
 import time
 
 import psutil
@@ -21,6 +22,8 @@ from spyre_serve.engine import SpyreStartupError, engine_kwargs, start_llm
 from . import faulty_compiler
 from .helpers import CARD, MiB, app_args, delete_app, deploy, record, wait_for, wait_for_app
 from .test_rank_failure import card_actor_pids
+
+pytestmark = pytest.mark.slow
 
 
 def cluster_snapshot(ray) -> dict:
@@ -69,6 +72,8 @@ FAULTS = {
     # id: (tensor-parallel size, fields the broken compiler writes per rank, words expected)
     "other_shape": (1, {0: {"max_model_len": 512}},
                     ["ReportError", "is stale", "max_model_len 512 instead of 256"]),
+    # Rank 0 reports 64-token blocks, rank 1 32: the start must fail on rank 1's report
+    # (the message names rank 1's card file, sim1), not take the minimum of mixed units.
     "ranks_disagree_on_block_size": (2, {1: {"block_size": 32}},
                                      ["ReportError", "block_size=32", "64 tokens"]),
     "report_for_another_rank_and_card": (2, {1: {"rank": 0, "device": "spyre99"}},
@@ -99,7 +104,15 @@ def test_bad_report_fails_the_start_naming_file_and_cause(ray_cluster, tiny_mode
     # The message names the file of the bad rank's card, and says how to fix it.
     assert str(tmp_path) in msg and ".json" in msg and "Delete" in msg, msg
     # The bad rank wrote its report; the others may have been stopped before writing theirs.
-    assert 1 <= len(list(tmp_path.glob("sim*.json"))) <= tp
+    reports = {path: json.loads(path.read_text()) for path in tmp_path.glob("sim*.json")}
+    assert 1 <= len(reports) <= tp
+    # The message names the file that carries the fault, and no healthy rank's file.
+    (bad_file,) = [path for path, r in reports.items()
+                   if all(r.get(k) == v for k, v in changes[bad_rank].items())]
+    assert str(bad_file) in msg, msg
+    for path, r in reports.items():
+        if path != bad_file:
+            assert r["block_size"] == 64 and str(path) not in msg, (path, msg)
     cleanup_s = assert_nothing_left(ray_cluster, before)
     record(f"startup_fault[{fault}]", failed_after_s=round(failed_s, 1),
            cleaned_up_after_s=round(cleanup_s, 1), bad_rank=bad_rank, message=msg[:160])
@@ -113,28 +126,33 @@ def _report(**changes) -> BlockReport:
     return BlockReport(**{**base.to_dict(), **changes})
 
 
-def test_consistent_simulated_report_is_accepted(tmp_path):
-    """Control for the next test: 40 blocks of 1 MiB fit in 64 - 8 - 4 MiB."""
-    path = tmp_path / "sim0.json"
-    write_report(path, _report())
+# The budget check at its boundary: 64 MiB - 8 MiB weights - 4 MiB activations leaves room
+# for exactly 52 blocks of 1 MiB. 52 must pass and 53 must not, so neither test can pass by
+# a check that accepts or refuses everything.
+ROOM = (64 - 8 - 4) * MiB // (1 * MiB)
+
+
+def _read_and_decide(path):
     report = read_report(path, device="sim0", rank=0, model="m", max_model_len=256,
                          not_before=0)
-    assert decide([{**report.to_dict(), "bytes_per_block": report.bytes_per_block}],
-                  256).num_blocks == 40
+    return decide([{**report.to_dict(), "bytes_per_block": report.bytes_per_block}], 256)
 
 
-def test_report_claiming_more_blocks_than_its_budget_is_refused(tmp_path):
+def test_report_filling_its_budget_exactly_is_accepted(tmp_path):
+    path = tmp_path / "sim0.json"
+    write_report(path, _report(num_blocks=ROOM))
+    decision = _read_and_decide(path)
+    assert (decision.num_blocks, decision.limiting_rank) == (ROOM, 0)
+
+
+@pytest.mark.parametrize("claimed", [ROOM + 1, 10_000])
+def test_report_claiming_more_blocks_than_its_budget_is_refused(tmp_path, claimed):
     """Was a bug (the report was accepted); compiler_report.read_report refuses it now."""
     path = tmp_path / "sim0.json"
-    write_report(path, _report(num_blocks=10_000))   # 10000 MiB of KV on a 64 MiB card
-    try:
-        report = read_report(path, device="sim0", rank=0, model="m", max_model_len=256,
-                             not_before=0)
-        decide([{**report.to_dict(), "bytes_per_block": report.bytes_per_block}], 256)
-    except (ReportError, RuntimeError) as e:
-        assert "10000" in str(e) and str(path) in str(e)
-        return
-    raise AssertionError("a report claiming 10000 blocks of 1 MiB on a 64 MiB card was accepted")
+    write_report(path, _report(num_blocks=claimed))
+    with pytest.raises((ReportError, RuntimeError)) as e:
+        _read_and_decide(path)
+    assert str(claimed) in str(e.value) and str(path) in str(e.value)
 
 
 def test_too_small_card_through_serve_fails_the_deployment_and_frees_everything(
