@@ -9,15 +9,14 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, field_validator, model_validator
 
-DEMO_MODEL = "builtin:smollm2-135m-instruct"
-BUILTIN_PREFIX = "builtin:"
+from spyre_serve.engine import RESERVED_ENGINE_KWARGS
+from spyre_serve.models import BUILTIN_MODELS, BUILTIN_PREFIX, DEMO_MODEL
+
 
 # Engine kwargs the app sets from its own fields: a second way to set them would be ambiguous.
 _OWN_FIELDS = {"model": "model", "served_model_name": "served_model_name",
                "tensor_parallel_size": "tensor_parallel_size",
                "max_model_len": "max_model_len", "max_num_seqs": "max_num_seqs"}
-# Set by spyre_serve itself (engine.engine_kwargs refuses them too, but only inside a replica).
-_RESERVED = {"distributed_executor_backend", "additional_config"}
 
 
 class AppArgs(BaseModel):
@@ -25,8 +24,9 @@ class AppArgs(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    model: str = Field(DEMO_MODEL, description="Local HF model folder, or builtin:smollm2-135m-"
-                       "instruct / builtin:tiny-llama (built once on each node, cached)")
+    model: str = Field(DEMO_MODEL, description="Local HF model folder, or one of "
+                       + ", ".join(BUILTIN_PREFIX + name for name in BUILTIN_MODELS)
+                       + " (built once on each node, cached)")
     served_model_name: str | None = Field(
         None, description="Name clients put in `model`; default: the model without builtin:")
     tensor_parallel_size: PositiveInt = Field(1, description="Spyre cards per replica")
@@ -63,7 +63,7 @@ class AppArgs(BaseModel):
             if key in _OWN_FIELDS:
                 raise ValueError(f"engine_kwargs.{key}: set it with the app argument "
                                  f"`{_OWN_FIELDS[key]}` instead")
-            if key in _RESERVED:
+            if key in RESERVED_ENGINE_KWARGS:
                 raise ValueError(f"engine_kwargs.{key} is set by spyre_serve; remove it")
         unknown = sorted(set(kwargs) - _vllm_engine_arg_names()) if kwargs else []
         if unknown:

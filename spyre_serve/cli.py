@@ -202,7 +202,7 @@ def stop_head(head: subprocess.Popen | None) -> None:
 def config_uses_demo_model(config: Path) -> bool:
     import yaml
     data = yaml.safe_load(config.read_text()) or {}
-    from spyre_serve.app import DEMO_MODEL
+    from spyre_serve.models import DEMO_MODEL
     for app in data.get("applications", []):
         if (app.get("args") or {}).get("model", DEMO_MODEL) == DEMO_MODEL:
             return True

@@ -9,6 +9,8 @@ from typing import Any
 from spyre_serve.compiler_report import BLOCK_SIZE
 from spyre_serve.settings import SpyreSettings
 
+# Engine kwargs spyre_serve sets itself; AppArgs refuses them too (before `serve run` starts).
+RESERVED_ENGINE_KWARGS = ("distributed_executor_backend", "additional_config")
 # Tested defaults for the CPU validation path; any of them can be overridden.
 ENGINE_DEFAULTS: dict[str, Any] = {"dtype": "float32", "enforce_eager": True}
 
@@ -21,7 +23,7 @@ def engine_kwargs(model: str, *, tensor_parallel_size: int = 1, max_model_len: i
 
     settings = spyre if isinstance(spyre, SpyreSettings) else SpyreSettings.model_validate(spyre or {})
     settings = settings.model_copy(update={"startup_id": uuid.uuid4().hex})
-    for reserved in ("distributed_executor_backend", "additional_config"):
+    for reserved in RESERVED_ENGINE_KWARGS:
         if reserved in extra:
             raise ValueError(f"{reserved} is set by spyre_serve; remove it from the engine kwargs")
     if extra.get("block_size", BLOCK_SIZE) != BLOCK_SIZE:

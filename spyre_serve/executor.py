@@ -10,12 +10,11 @@ import functools
 import os
 
 import ray
-import vllm.v1.executor.ray_executor as vllm_ray_executor
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.executor.ray_executor import RayDistributedExecutor
 from vllm.v1.executor.ray_utils import RayWorkerWrapper
 
-from spyre_serve import get_logger
+from spyre_serve import get_logger, vllm_compat
 from spyre_serve.card import claim_card
 from spyre_serve.coordinator import decide
 from spyre_serve.settings import SpyreSettings
@@ -35,28 +34,19 @@ class SpyreRayWorkerWrapper(RayWorkerWrapper):
         return node_id, [claim_card(node_id, int(node["Resources"].get("spyre", 0)))]
 
 
-@contextlib.contextmanager
 def _spyre_worker_actors():
-    vllm_ray_executor.RayWorkerWrapper = SpyreRayWorkerWrapper
-    try:
-        yield
-    finally:
-        vllm_ray_executor.RayWorkerWrapper = RayWorkerWrapper
+    return vllm_compat.replaced("vllm.v1.executor.ray_executor:RayWorkerWrapper",
+                                lambda _: SpyreRayWorkerWrapper)
 
 
-@contextlib.contextmanager
 def _driver_needs_no_card():
     """vLLM insists its Ray driver (the EngineCore) sits on a node of the placement group,
     because on GPUs the driver used to run rank 0. Here every rank is a card actor and the
     driver touches no card; where several raylets share one host (Ray's fake multi-node
     autoscaler, several Ray nodes on one machine) the check refuses a group that is fine."""
-    original = vllm_ray_executor.initialize_ray_cluster
-    vllm_ray_executor.initialize_ray_cluster = functools.partial(original,
-                                                                 require_gpu_on_driver=False)
-    try:
-        yield
-    finally:
-        vllm_ray_executor.initialize_ray_cluster = original
+    return vllm_compat.replaced(
+        "vllm.v1.executor.ray_executor:initialize_ray_cluster",
+        lambda original: functools.partial(original, require_gpu_on_driver=False))
 
 
 @contextlib.contextmanager

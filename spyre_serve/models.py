@@ -118,10 +118,18 @@ def smollm2(out: Path | None = None) -> Path:
     return _build_atomically(out, build)
 
 
+# The models the project builds itself, named once: `model: builtin:<name>` in the app args.
+BUILTIN_PREFIX = "builtin:"
+BUILTIN_MODELS = {"smollm2-135m-instruct": smollm2, "tiny-llama": tiny_llama}
+DEMO_MODEL = f"{BUILTIN_PREFIX}smollm2-135m-instruct"
+
+
 def resolve(model: str) -> str:
     """Model names the project builds itself; anything else is a local path for vLLM."""
-    if model == "builtin:smollm2-135m-instruct":
-        return str(smollm2())
-    if model == "builtin:tiny-llama":
-        return str(tiny_llama())
+    if model.startswith(BUILTIN_PREFIX):
+        name = model.removeprefix(BUILTIN_PREFIX)
+        if name not in BUILTIN_MODELS:
+            raise ValueError(f"model {model!r}: no such builtin model; choose one of "
+                             + ", ".join(BUILTIN_PREFIX + n for n in BUILTIN_MODELS))
+        return str(BUILTIN_MODELS[name]())
     return model

@@ -11,7 +11,7 @@ import os
 
 from vllm.platforms.cpu import CpuPlatform
 
-from spyre_serve import get_logger
+from spyre_serve import get_logger, vllm_compat
 from spyre_serve.card import require_backend
 from spyre_serve.compiler_report import BLOCK_SIZE
 from spyre_serve.settings import SpyreSettings
@@ -43,6 +43,10 @@ class SpyrePlatform(CpuPlatform):
 
     @classmethod
     def check_and_update_config(cls, vllm_config) -> None:
+        # The engine hooks are checked once per process, on the first engine config: a vLLM
+        # upgrade fails here naming the hook, not deep inside a start. (Not at import: vLLM
+        # loads this plugin while it is itself half imported.)
+        vllm_compat.check_once(vllm_compat.ENGINE)
         settings = SpyreSettings.from_vllm_config(vllm_config)
         require_backend(settings.backend)
         cache_config = vllm_config.cache_config

