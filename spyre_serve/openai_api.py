@@ -96,33 +96,15 @@ def vllm_frontend_args(engine_kwargs: dict[str, Any]) -> argparse.Namespace:
     return argparse.Namespace(**(vars(FrontendArgs()) | vars(engine_args)))
 
 
-class ReplicaHeader:
-    """Plain ASGI middleware: every response names the replica that made it
-    (`x-spyre-replica`), so a client, a log or a test can tell which replica served it.
-
-    Not Starlette's BaseHTTPMiddleware, which would wrap every streamed chunk in a task.
-    """
-
-    def __init__(self, app, replica_id: str):
-        self.app, self.header = app, (b"x-spyre-replica", replica_id.encode())
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-
-        async def send_tagged(message):
-            if message["type"] == "http.response.start":
-                message = {**message, "headers": [*message.get("headers", []), self.header]}
-            await send(message)
-        await self.app(scope, receive, send_tagged)
-
-
 async def build_openai_app(engine, engine_kwargs: dict[str, Any], *,
                            status: Callable[[], Awaitable[dict]],
                            metrics: Callable[[], bytes], replica_id: str,
                            stream_batching_interval_s: float = 0.0) -> FastAPI:
     app = FastAPI(title="spyre_serve", docs_url=None, redoc_url=None)
-    app.add_middleware(ReplicaHeader, replica_id=replica_id)
+    # Every response of ours names the replica that made it (`x-spyre-replica`), so a
+    # client, a log or a test can tell which replica served it. Per response, not as ASGI
+    # middleware: wrapping `send` kept Serve from aborting requests whose client hung up.
+    tag = {"x-spyre-replica": replica_id}
     await init_app_state(engine, app.state, vllm_frontend_args(engine_kwargs),
                          supported_tasks=await engine.get_supported_tasks())
     # vLLM's engine-error handler asks a uvicorn server to exit; here Serve's health check
@@ -140,11 +122,11 @@ async def build_openai_app(engine, engine_kwargs: dict[str, Any], *,
 
     def respond(result) -> Response:
         if isinstance(result, ErrorResponse):
-            return JSONResponse(result.model_dump(), status_code=result.error.code)
+            return JSONResponse(result.model_dump(), status_code=result.error.code, headers=tag)
         if isinstance(result, BaseModel):
-            return JSONResponse(result.model_dump())
+            return JSONResponse(result.model_dump(), headers=tag)
         return StreamingResponse(coalesce(result, stream_batching_interval_s),
-                                 media_type="text/event-stream")
+                                 media_type="text/event-stream", headers=tag)
 
     @app.get("/v1/models")
     async def list_models():
@@ -169,12 +151,15 @@ async def build_openai_app(engine, engine_kwargs: dict[str, Any], *,
         try:
             await engine.check_health()
         except Exception as e:
-            return openai_error(f"engine is not running: {e}", 503, "ServiceUnavailableError")
-        return JSONResponse({"status": "ok"})
+            response = openai_error(f"engine is not running: {e}", 503,
+                                    "ServiceUnavailableError")
+            response.headers.update(tag)
+            return response
+        return JSONResponse({"status": "ok"}, headers=tag)
 
     @app.get("/spyre/status")
     async def spyre_status():
-        return JSONResponse(_jsonable(await status()))
+        return JSONResponse(_jsonable(await status()), headers=tag)
 
     @app.get("/metrics")
     async def prometheus_metrics():
