@@ -97,6 +97,19 @@ class SpyreLLMServer:
         return kv_blocks(self.handshake["num_blocks"], self.handshake["usable_blocks"],
                          self.latest_stats)
 
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's autoscaler asks every metrics interval: KV demand against capacity, for
+        spyre_serve.kv_autoscaling.KVCapacityPolicy (ignored by Serve's default policy)."""
+        from spyre_serve.kv_autoscaling import autoscaling_stats
+        now, preemptions = time.monotonic(), self.latest_stats.preemptions
+        last_time, last_preemptions = getattr(self, "_last_preemptions", (now, preemptions))
+        self._last_preemptions = (now, preemptions)
+        rate = (preemptions - last_preemptions) / (now - last_time) if now > last_time else 0.0
+        kv = self.kv_blocks()
+        return autoscaling_stats(kv["used_blocks"], kv["usable_blocks"],
+                                 self.handshake["block_size"], kv["running_requests"],
+                                 kv["waiting_requests"], rate)
+
     async def status(self) -> dict:
         from spyre_serve.engine import summarize
         # Asked again each time: the live KV shapes show what each card really holds.

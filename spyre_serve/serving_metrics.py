@@ -18,6 +18,7 @@ class LatestSchedulerStats:
 
     def __init__(self):
         self.scheduler = None
+        self.preemptions = 0  # since the engine started
 
     def __call__(self, vllm_config, engine_index: int = 0) -> StatLoggerBase:
         return _Recorder(self)
@@ -34,6 +35,8 @@ class _Recorder(StatLoggerBase):
     def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0):
         if scheduler_stats is not None:
             self.latest.scheduler = scheduler_stats
+        if iteration_stats is not None:
+            self.latest.preemptions += iteration_stats.num_preempted_reqs
 
     def log_engine_initialized(self) -> None:
         pass
