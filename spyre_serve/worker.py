@@ -9,7 +9,6 @@ from vllm.v1.core.kv_cache_utils import (
     get_kv_cache_config_from_groups,
     get_kv_cache_groups,
 )
-from vllm.utils.gc_utils import freeze_gc_heap
 from vllm.v1.worker.cpu_worker import CPUWorker
 
 from spyre_serve import card as cards
@@ -78,15 +77,6 @@ class SpyreWorker(CPUWorker):
                        "report_file": str(self.card.report_file)}
         return {**report.to_dict(), "bytes_per_block": measured.bytes_per_block,
                 "warmup_seconds": self.warmup["seconds"]}
-
-    def compile_or_warm_up_model(self):
-        times = super().compile_or_warm_up_model()
-        # Freeze the heap (weights, KV cache, compiled programs) out of the GC's reach, as
-        # vLLM's GPU worker and its EngineCore do: vLLM's CPU worker does not, because it
-        # normally lives inside the EngineCore. Ours is a Ray actor of its own, where full
-        # collections over that heap stalled streams for hundreds of milliseconds.
-        freeze_gc_heap()
-        return times
 
     def accept_resize(self, decision: dict) -> None:
         self.decision = decision

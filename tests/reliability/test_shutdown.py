@@ -34,6 +34,7 @@ pytestmark = pytest.mark.slow
 
 APP = "rel-drain"
 TOKENS = 64
+FIRST_TOKEN: set[str] = set()  # tags of streams that received a chunk
 IN_FLIGHT = 4
 GRACEFUL_S = 20.0
 
@@ -61,6 +62,7 @@ async def full_stream(client, tag: str, tokens: int = TOKENS) -> dict:
             async for line in r.aiter_lines():
                 if line.startswith("data: ") and line != "data: [DONE]":
                     events.append(json.loads(line[len("data: "):]))
+                    FIRST_TOKEN.add(tag)
         errors = [e["error"] for e in events if e.get("error")]
         usage = [e["usage"] for e in events if e.get("usage")]
         finish = [e["choices"][0]["finish_reason"] for e in events
@@ -190,23 +192,30 @@ def test_config_update_drains_in_flight_streams(drain_app, serve_instance, tiny_
     assert drain_s < GRACEFUL_S
 
 
-async def streams_across(app, stop, name: str, timing: dict, tokens: int = TOKENS) -> list[dict]:
+async def streams_across(app, stop, name: str, timing: dict, tokens: int = TOKENS,
+                         all_streaming: bool = False) -> list[dict]:
     """Start IN_FLIGHT streams, call `stop` once the engine has them all, gather them."""
     async with app.async_client(timeout=120) as client:
+        FIRST_TOKEN.clear()
         before_text = (await client.get("/metrics")).text
         streams = [asyncio.create_task(full_stream(client, f"{name}{i}", tokens))
                    for i in range(IN_FLIGHT)]
         deadline = time.monotonic() + 60
-        # Reached = queued, running, or already finished (a fast machine may finish one
-        # before the last arrives): the engine has seen every stream.
-        finished_before = metric(before_text, "vllm:request_success_total")
-        while True:
-            text = (await client.get("/metrics")).text
-            finished = metric(text, "vllm:request_success_total") - finished_before
-            if in_engine(text) + finished >= IN_FLIGHT:
-                break
-            assert time.monotonic() < deadline, "the streams never all reached the engine"
-            await asyncio.sleep(0.02)
+        if all_streaming:
+            # Every stream has its first chunk (client side): all are in flight, now.
+            while len(FIRST_TOKEN) < IN_FLIGHT:
+                assert time.monotonic() < deadline, "the streams never all started"
+                await asyncio.sleep(0.01)
+        else:
+            # Reached = queued, running, or already finished: the engine has seen them all.
+            finished_before = metric(before_text, "vllm:request_success_total")
+            while True:
+                text = (await client.get("/metrics")).text
+                finished = metric(text, "vllm:request_success_total") - finished_before
+                if in_engine(text) + finished >= IN_FLIGHT:
+                    break
+                assert time.monotonic() < deadline, "the streams never all reached the engine"
+                await asyncio.sleep(0.02)
         timing["stop_called"] = time.monotonic()
         stopping = asyncio.create_task(asyncio.to_thread(stop))
         results = await asyncio.wait_for(asyncio.gather(*streams), 120)
@@ -227,7 +236,7 @@ def test_deleting_an_app_lets_in_flight_streams_finish(shared_app, ray_cluster):
     watch.start()
     timing: dict = {}
     results = asyncio.run(streams_across(app, lambda: delete_app(app.name, timeout=120), "d",
-                                         timing, tokens=150))
+                                         timing, tokens=150, all_streaming=True))
     watch.stop_event.set()
     watch.join(5)
     t0 = timing["stop_called"]
