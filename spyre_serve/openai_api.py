@@ -26,7 +26,11 @@ from vllm.entrypoints.serve.engine.protocol import ErrorInfo, ErrorResponse
 from vllm.entrypoints.serve.exception_handling.register import init_exception_handler
 from vllm.entrypoints.serve.utils.api_utils import validate_json_request, with_cancellation
 
+from spyre_serve import vllm_compat
 from spyre_serve.serving_metrics import PROMETHEUS_CONTENT_TYPE
+
+# The serving hooks this module imports above, checked once per replica process.
+vllm_compat.check_once(vllm_compat.SERVING)
 
 _END = object()
 
