@@ -39,10 +39,14 @@ async def coalesce(chunks: AsyncIterator[str], interval_s: float) -> AsyncIterat
     """Join the SSE chunks that arrive within `interval_s` into one write; 0 passes each on.
 
     A timer flushes, not the next chunk: a slow token never waits for the one after it.
+    Closing this generator closes `chunks` at once, which aborts the request in the engine.
     """
     if interval_s <= 0:
-        async for chunk in chunks:
-            yield chunk
+        try:
+            async for chunk in chunks:
+                yield chunk
+        finally:
+            await chunks.aclose()
         return
     queue: asyncio.Queue = asyncio.Queue()
 
@@ -77,6 +81,24 @@ async def coalesce(chunks: AsyncIterator[str], interval_s: float) -> AsyncIterat
             yield "".join(batch)
     finally:
         pumping.cancel()
+        await asyncio.gather(pumping, return_exceptions=True)
+        await chunks.aclose()
+
+
+class ClosingStreamingResponse(StreamingResponse):
+    """A stream whose body is closed however the response ends.
+
+    When a client hangs up, Starlette cancels the stream wherever it waits. If that is in
+    `send`, the body generator is left open and vLLM aborts the request only once the
+    garbage collector finalizes it (its generate() says so), by which time a long request
+    may have run to its end. Closing the body here aborts it at the hang-up.
+    """
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
 
 
 def openai_error(message: str, status_code: int, err_type: str) -> JSONResponse:
@@ -129,7 +151,7 @@ async def build_openai_app(engine, engine_kwargs: dict[str, Any], *,
             return JSONResponse(result.model_dump(), status_code=result.error.code, headers=tag)
         if isinstance(result, BaseModel):
             return JSONResponse(result.model_dump(), headers=tag)
-        return StreamingResponse(coalesce(result, stream_batching_interval_s),
+        return ClosingStreamingResponse(coalesce(result, stream_batching_interval_s),
                                  media_type="text/event-stream", headers=tag)
 
     @app.get("/v1/models")

@@ -113,6 +113,31 @@ def test_stream_interval_coalesces_close_chunks_but_not_late_ones():
     assert asyncio.run(collect()) == ["data: 0\n\ndata: 1\n\n", "data: 2\n\n"]
 
 
+@pytest.mark.parametrize("interval_s", [0, 0.05])
+def test_closing_a_stream_closes_the_engine_stream_at_once(interval_s):
+    """A client hang-up closes our stream; the engine's generator must close with it (that
+    is what aborts the request), not whenever the garbage collector gets to it."""
+    closed = asyncio.Event()
+
+    async def engine_stream():
+        try:
+            for i in range(1000):
+                await asyncio.sleep(0.001)
+                yield f"data: {i}\n\n"
+        finally:
+            closed.set()
+
+    async def read_one_then_close():
+        stream = coalesce(engine_stream(), interval_s)
+        first = await anext(stream)
+        await stream.aclose()
+        return first, closed.is_set()
+
+    first, was_closed = asyncio.run(read_one_then_close())
+    assert first.startswith("data: 0")
+    assert was_closed
+
+
 def test_example_cluster_configs_declare_spyre_and_valid_app_args():
     service = yaml.safe_load(open("examples/kuberay-rayservice.yaml"))
     (app,) = yaml.safe_load(service["spec"]["serveConfigV2"])["applications"]
