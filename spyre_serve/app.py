@@ -38,6 +38,12 @@ class AppArgs(BaseModel):
         None, description="Simulated card budgets: one for every card or one per TP rank")
     engine_kwargs: dict[str, Any] = Field(
         default_factory=dict, description="Passed to vLLM's AsyncEngineArgs as they are")
+    frontend_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="`vllm serve`'s frontend options (vLLM's FrontendArgs): "
+        "chat_template, enable_auto_tool_choice, tool_call_parser, response_role, api_key, ...")
+    api_key_file: str | None = Field(
+        None, description="A file on every node holding the API key, so it stays out of the "
+        "YAML (e.g. a mounted secret); same effect as frontend_kwargs.api_key")
 
     num_replicas: PositiveInt | None = Field(None, description="Fixed replica count")
     autoscaling_config: dict[str, Any] | None = Field(
@@ -71,8 +77,35 @@ class AppArgs(BaseModel):
                              f"AsyncEngineArgs (unknown: {', '.join(unknown)})")
         return kwargs
 
+    @field_validator("frontend_kwargs")
+    @classmethod
+    def _frontend_kwargs_are_vllm_args(cls, kwargs: dict[str, Any]) -> dict[str, Any]:
+        for key in kwargs:
+            if key in _NOT_UNDER_SERVE:
+                raise ValueError(f"frontend_kwargs.{key} belongs to the HTTP server, which is "
+                                 "Ray Serve's here: set http_options in serve_config.yaml")
+        names = _vllm_frontend_arg_names()
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise ValueError(f"frontend_kwargs.{unknown[0]} is not one of vLLM's frontend "
+                             f"options (unknown: {', '.join(unknown)})")
+        if isinstance(kwargs.get("api_key"), str):
+            kwargs = {**kwargs, "api_key": [kwargs["api_key"]]}
+        from vllm.entrypoints.launchers.cli_args import FrontendArgs
+        FrontendArgs(**kwargs)  # vLLM's own types and checks
+        parser = kwargs.get("tool_call_parser")
+        if parser:
+            from vllm.tool_parsers import ToolParserManager
+            known = ToolParserManager.list_registered()
+            if parser not in known and not kwargs.get("tool_parser_plugin"):
+                raise ValueError(f"frontend_kwargs.tool_call_parser {parser!r} is not one of "
+                                 f"vLLM's tool-call parsers ({', '.join(sorted(known))})")
+        return kwargs
+
     @model_validator(mode="after")
     def _one_way_to_scale(self) -> "AppArgs":
+        if self.api_key_file is not None and self.frontend_kwargs.get("api_key"):
+            raise ValueError("api_key_file and frontend_kwargs.api_key exclude each other")
         if self.num_replicas is not None and self.autoscaling_config is not None:
             raise ValueError("num_replicas and autoscaling_config exclude each other: "
                              "give one of them")
@@ -109,6 +142,17 @@ class AppArgs(BaseModel):
             **self.engine_kwargs,
         }
 
+    def frontend_options(self) -> dict[str, Any]:
+        """frontend_kwargs, with the API key read from api_key_file (on the replica's node)."""
+        options = dict(self.frontend_kwargs)
+        if self.api_key_file is not None:
+            from pathlib import Path
+            key = Path(self.api_key_file).read_text().strip()
+            if not key:
+                raise ValueError(f"api_key_file {self.api_key_file} is empty")
+            options["api_key"] = [key]
+        return options
+
     def placement_group_bundles(self) -> list[dict[str, float]]:
         """Bundle 0 holds the replica actor; one card per tensor-parallel rank after it."""
         return [{"CPU": self.replica_num_cpus}] + [{"spyre": 1}] * self.tensor_parallel_size
@@ -130,6 +174,22 @@ class AppArgs(BaseModel):
         else:
             options["num_replicas"] = self.num_replicas or 1
         return options
+
+
+# FrontendArgs that configure uvicorn or the socket: under Ray Serve its proxy does that.
+_NOT_UNDER_SERVE = {
+    "host", "port", "uds", "root_path", "uvicorn_log_level", "disable_uvicorn_access_log",
+    "ssl_keyfile", "ssl_certfile", "ssl_ca_certs", "enable_ssl_refresh", "ssl_cert_reqs",
+    "ssl_ciphers", "h11_max_incomplete_event_size", "h11_max_header_count", "grpc_port",
+    "data_parallel_supervisor_port", "dp_supervisor_probe_interval_s",
+    "dp_supervisor_probe_timeout_s", "dp_supervisor_probe_failure_threshold"}
+
+
+def _vllm_frontend_arg_names() -> set[str]:
+    import dataclasses
+
+    from vllm.entrypoints.launchers.cli_args import FrontendArgs
+    return {f.name for f in dataclasses.fields(FrontendArgs)}
 
 
 def _vllm_engine_arg_names() -> set[str]:

@@ -1,14 +1,21 @@
-"""The HTTP face of one replica: vLLM's OpenAI serving code behind a FastAPI app.
+"""The HTTP face of one replica: the FastAPI app `vllm serve` builds, on our engine.
 
-Request schemas, validation, sampling, chat templates and error bodies are vLLM's own
-(the same objects `vllm serve` builds); this module only adds the routes, the optional
-stream coalescing, and the Spyre endpoints.
+Every route, middleware (API key, CORS), frontend option (chat template, tool-call and
+reasoning parsers...) and error body is vLLM's own: `build_app` + `init_app_state`, as
+`vllm serve` calls them, so a new vLLM route comes for free. What this module changes:
+- `/health` (engine + handshake), `/metrics` (vLLM's and the Spyre KV figures) and
+  `/spyre/status` are ours;
+- `/v1/completions` and `/v1/chat/completions` call vLLM's own serving objects but refuse
+  unknown request fields (vLLM ignores them) and can coalesce streamed chunks;
+- options that belong to uvicorn/the socket are Ray Serve's (http_options), not ours.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import dataclasses
+import os
+import secrets
 import types
 from http import HTTPStatus
 from typing import Any, AsyncIterator, Awaitable, Callable
@@ -19,18 +26,29 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.entrypoints.launchers.api_server.app_state import init_app_state
-from vllm.entrypoints.launchers.cli_args import FrontendArgs
+from vllm.entrypoints.launchers.app import build_app
+from vllm.entrypoints.launchers.cli_args import (
+    FrontendArgs,
+    make_arg_parser,
+    validate_parsed_serve_args,
+)
+from vllm.entrypoints.launchers.launcher import validate_api_server_args
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 from vllm.entrypoints.serve.engine.protocol import ErrorInfo, ErrorResponse
-from vllm.entrypoints.serve.exception_handling.register import init_exception_handler
 from vllm.entrypoints.serve.utils.api_utils import validate_json_request, with_cancellation
+from vllm.reasoning import ReasoningParserManager
+from vllm.tool_parsers import ToolParserManager
+from vllm.utils.argparse_utils import FlexibleArgumentParser
 
 from spyre_serve import vllm_compat
 from spyre_serve.serving_metrics import PROMETHEUS_CONTENT_TYPE
 
 # The serving hooks this module imports above, checked once per replica process.
 vllm_compat.check_once(vllm_compat.SERVING)
+
+# Routes of vLLM's app that this module serves itself (see the module doc).
+OWN_ROUTES = {"/health", "/metrics", "/v1/completions", "/v1/chat/completions"}
 
 _END = object()
 
@@ -116,27 +134,64 @@ def unknown_fields_error(request: BaseModel) -> Response | None:
                         "BadRequestError")
 
 
-def vllm_frontend_args(engine_kwargs: dict[str, Any]) -> argparse.Namespace:
-    """The flat namespace `vllm serve` would have parsed for these engine kwargs."""
-    engine_args = AsyncEngineArgs(**engine_kwargs)
-    return argparse.Namespace(**(vars(FrontendArgs()) | vars(engine_args)))
+def serve_namespace(engine_kwargs: dict[str, Any], frontend_kwargs: dict[str, Any],
+                    engine=None) -> argparse.Namespace:
+    """The namespace `vllm serve` would have parsed for these engine and frontend options,
+    validated as `vllm serve` validates it (unknown parser, auto tool choice without one...).
+    """
+    namespace = make_arg_parser(FlexibleArgumentParser()).parse_args([])
+    for source, cls in ((FrontendArgs(**frontend_kwargs), FrontendArgs),
+                        (AsyncEngineArgs(**engine_kwargs), AsyncEngineArgs)):
+        for field in dataclasses.fields(cls):
+            setattr(namespace, field.name, getattr(source, field.name))
+    if engine is not None:
+        # As in `vllm serve`: the very config the engine resolved (model defaults land on it).
+        namespace.structured_outputs_config = engine.vllm_config.structured_outputs_config
+    validate_parsed_serve_args(namespace)
+    for plugin, manager in ((namespace.tool_parser_plugin, ToolParserManager.import_tool_parser),
+                            (namespace.reasoning_parser_plugin,
+                             ReasoningParserManager.import_reasoning_parser)):
+        if plugin and len(plugin) > 3:  # `vllm serve`'s own rule
+            manager(plugin)
+    validate_api_server_args(namespace)
+    return namespace
 
 
-async def build_openai_app(engine, engine_kwargs: dict[str, Any], *,
+def api_keys(namespace: argparse.Namespace) -> list[str]:
+    """The keys vLLM's AuthenticationMiddleware checks: --api-key, else VLLM_API_KEY."""
+    keys = namespace.api_key or [os.environ.get("VLLM_API_KEY")]
+    return [k for k in (keys if isinstance(keys, list) else [keys]) if k]
+
+
+async def build_openai_app(engine, engine_kwargs: dict[str, Any],
+                           frontend_kwargs: dict[str, Any], *,
                            status: Callable[[], Awaitable[dict]],
                            metrics: Callable[[], bytes], replica_id: str,
                            stream_batching_interval_s: float = 0.0) -> FastAPI:
-    app = FastAPI(title="spyre_serve", docs_url=None, redoc_url=None)
+    args = serve_namespace(engine_kwargs, frontend_kwargs, engine)
+    tasks = await engine.get_supported_tasks()
+    app = build_app(args, tasks, engine.model_config)
+    await init_app_state(engine, app.state, args, supported_tasks=tasks)
+    app.router.routes[:] = [r for r in app.router.routes
+                            if getattr(r, "path", None) not in OWN_ROUTES]
+    left = [r for r in app.router.routes if not hasattr(r, "path")]
+    if left:  # FastAPI >= 0.137 keeps lazy routers without a path: the filter would miss
+        raise vllm_compat.CompatError(f"routes without a path in vLLM's app: {left}; "
+                                      "pin fastapi<0.137 or port OWN_ROUTES filtering")
     # Every response of ours names the replica that made it (`x-spyre-replica`), so a
     # client, a log or a test can tell which replica served it. Per response, not as ASGI
     # middleware: wrapping `send` kept Serve from aborting requests whose client hung up.
     tag = {"x-spyre-replica": replica_id}
-    await init_app_state(engine, app.state, vllm_frontend_args(engine_kwargs),
-                         supported_tasks=await engine.get_supported_tasks())
     # vLLM's engine-error handler asks a uvicorn server to exit; here Serve's health check
     # replaces a dead replica instead, but the handler still needs something to set.
-    app.state.server = types.SimpleNamespace()
-    init_exception_handler(app)
+    app.state.server = types.SimpleNamespace(should_exit=False)
+    keys = api_keys(args)
+
+    async def require_key(request: Request) -> None:
+        """/spyre/status shows paths and placement groups: same key as the /v1 routes."""
+        given = request.headers.get("authorization", "")
+        if keys and not any(secrets.compare_digest(given, f"Bearer {k}") for k in keys):
+            raise StarletteHTTPException(401, "Unauthorized: a valid API key is required")
 
     @app.exception_handler(StarletteHTTPException)
     async def framework_error(_, exc: StarletteHTTPException):
@@ -152,11 +207,7 @@ async def build_openai_app(engine, engine_kwargs: dict[str, Any], *,
         if isinstance(result, BaseModel):
             return JSONResponse(result.model_dump(), headers=tag)
         return ClosingStreamingResponse(coalesce(result, stream_batching_interval_s),
-                                 media_type="text/event-stream", headers=tag)
-
-    @app.get("/v1/models")
-    async def list_models():
-        return JSONResponse((await state.openai_serving_models.show_available_models()).model_dump())
+                                        media_type="text/event-stream", headers=tag)
 
     @app.post("/v1/completions", dependencies=[Depends(validate_json_request)])
     @with_cancellation
@@ -183,7 +234,7 @@ async def build_openai_app(engine, engine_kwargs: dict[str, Any], *,
             return response
         return JSONResponse({"status": "ok"}, headers=tag)
 
-    @app.get("/spyre/status")
+    @app.get("/spyre/status", dependencies=[Depends(require_key)])
     async def spyre_status():
         return JSONResponse(_jsonable(await status()), headers=tag)
 

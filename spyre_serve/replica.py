@@ -66,8 +66,8 @@ class SpyreLLMServer:
         self.first_request_seconds = await self._first_request()
         self.metrics = ReplicaMetrics(self.replica_id, self.args.model_name, self.kv_blocks)
         self.api = await build_openai_app(
-            self.engine, kwargs, status=self.status, metrics=self.metrics.exposition,
-            replica_id=self.replica_id,
+            self.engine, kwargs, self.args.frontend_options(), status=self.status,
+            metrics=self.metrics.exposition, replica_id=self.replica_id,
             stream_batching_interval_s=self.args.stream_batching_interval_ms / 1000)
         self.ready_seconds = time.monotonic() - started
         logger.info("replica %s ready in %.1f s: %d KV blocks of %d tokens per card "

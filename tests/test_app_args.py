@@ -29,11 +29,37 @@ def test_unknown_field_is_named_by_serves_own_builder_path():
     ({"engine_kwargs": {"distributed_executor_backend": "mp"}}, "distributed_executor_backend"),
     ({"num_replicas": 2, "autoscaling_config": {"max_replicas": 2}}, "autoscaling_config"),
     ({"tensor_parallel_size": 2, "card_memory_bytes": [1, 2, 3]}, "card_memory_bytes"),
+    ({"frontend_kwargs": {"tool_parser_nmae": "hermes"}}, "frontend_kwargs.tool_parser_nmae"),
+    ({"frontend_kwargs": {"port": 9000}}, "http_options"),
+    ({"frontend_kwargs": {"enable_auto_tool_choice": True, "tool_call_parser": "nope"}},
+     "tool_call_parser 'nope'"),
+    ({"frontend_kwargs": {"api_key": "a"}, "api_key_file": "/k"}, "api_key_file"),
 ])
 def test_invalid_args_name_the_field(args, named):
     with pytest.raises(ValidationError) as err:
         AppArgs.model_validate(args)
     assert named in str(err.value)
+
+
+def test_unknown_frontend_option_fails_serves_builder_naming_it():
+    with pytest.raises(Exception) as err:
+        call_user_app_builder_with_args_if_necessary(
+            build_app, {"frontend_kwargs": {"chat_templat": "x"}})
+    assert "frontend_kwargs.chat_templat" in str(err.value)
+
+
+def test_frontend_options_reach_vllms_own_namespace(tmp_path):
+    from spyre_serve.engine import engine_kwargs
+    from spyre_serve.openai_api import api_keys, serve_namespace
+    key = tmp_path / "key"
+    key.write_text("sk-123\n")
+    args = AppArgs(api_key_file=str(key), frontend_kwargs={
+        "enable_auto_tool_choice": True, "tool_call_parser": "pythonic",
+        "response_role": "helper"})
+    namespace = serve_namespace(engine_kwargs(str(tmp_path), max_model_len=256),
+                                args.frontend_options())
+    assert (namespace.tool_call_parser, namespace.response_role) == ("pythonic", "helper")
+    assert api_keys(namespace) == ["sk-123"]
 
 
 def test_replica_reserves_its_actor_bundle_and_one_card_per_rank():
@@ -146,3 +172,17 @@ def test_example_cluster_configs_declare_spyre_and_valid_app_args():
     assert '\\"spyre\\": 8' in group["rayStartParams"]["resources"]
     cluster = yaml.safe_load(open("examples/ray-cluster.yaml"))
     assert cluster["available_node_types"]["spyre_8x"]["resources"]["spyre"] == 8
+
+
+def test_container_image_installs_through_the_ci_install_script():
+    """No container engine runs here (docker's daemon is absent, see README): check what
+    can be checked, that the image and CI share one install path and the examples name it."""
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    runs = [line for line in (root / "Containerfile").read_text().splitlines()
+            if line.startswith("RUN ")]
+    assert any("bash scripts/install.sh" in line for line in runs)
+    assert "scripts/install.sh" in (root / "Makefile").read_text()
+    for example in ("kuberay-rayservice.yaml",):
+        text = (root / "examples" / example).read_text()
+        assert "image: spyre-serve:0.1.0" in text and "registry.example.com" not in text
