@@ -13,7 +13,7 @@ from pathlib import Path
 def measure(model_name: str, model_path: str, tp: int, max_model_len: int, card_bytes: int) -> dict:
     from vllm import SamplingParams
 
-    from spyre_serve.engine import engine_kwargs, start_llm, summarize
+    from spyre_serve.vllm_plugin.engine import engine_kwargs, start_llm, summarize
     started = time.perf_counter()
     llm = start_llm(engine_kwargs(model_path, tensor_parallel_size=tp, max_model_len=max_model_len,
                                   max_num_seqs=8, spyre={"card_memory_bytes": card_bytes}))
@@ -49,7 +49,7 @@ def main() -> None:
 
     import ray
 
-    from spyre_serve import models
+    from spyre_serve.ops import models
     paths = {"tiny": lambda: str(models.tiny_llama()), "smollm2": lambda: str(models.smollm2())}
     # A private local cluster every time (address="local", its own temp dir): a Ray left
     # running on this machine is never joined.

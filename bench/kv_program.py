@@ -68,7 +68,7 @@ def time_call(fn, args, repeat: int) -> float:
 
 
 def main() -> None:
-    from spyre_serve.attention import make_kv_program
+    from spyre_serve.vllm_plugin.attention import make_kv_program
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--blocks", type=int, nargs="+", default=[4, 64, 512, 4096])
     parser.add_argument("--tokens", type=int, nargs="+", default=[16, 512])

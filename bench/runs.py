@@ -70,7 +70,7 @@ def extra_app_args(pairs: list[str]) -> dict:
 
 
 def model_path(builder: str) -> str:
-    import spyre_serve.models as models
+    import spyre_serve.ops.models as models
     return str(getattr(models, builder)())
 
 

@@ -7,8 +7,8 @@ import logging
 
 from ray.serve import Application
 
-from spyre_serve.app import AppArgs
-from spyre_serve.replica import SpyreLLMServer
+from spyre_serve.serve.app_args import AppArgs
+from spyre_serve.serve.replica import SpyreLLMServer
 
 logger = logging.getLogger("ray.serve")
 

@@ -21,7 +21,7 @@ SUITE_CARDS = 8
 
 @pytest.fixture(scope="session")
 def tiny_model() -> str:
-    from spyre_serve.models import tiny_llama
+    from spyre_serve.ops.models import tiny_llama
     return str(tiny_llama())
 
 
@@ -33,7 +33,7 @@ def suite_cluster():
     (the autoscaling test) can disconnect and the next test reconnects; SIGTERM to this one
     process stops this cluster and no other Ray on the machine.
     """
-    from spyre_serve.cli import tool
+    from spyre_serve.ops.cli import tool
     from support import free_port, wait_for
     root = Path(tempfile.mkdtemp(prefix="rt-", dir="/tmp"))  # short: Ray's socket paths
     port = free_port()

@@ -7,9 +7,9 @@ from pydantic import ValidationError
 from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
 
 from deployments.openai_app import build_app
-from spyre_serve.app import AppArgs
-from spyre_serve.cli import config_uses_demo_model, discover_cards, start_command
-from spyre_serve.openai_api import coalesce
+from spyre_serve.serve.app_args import AppArgs
+from spyre_serve.ops.cli import config_uses_demo_model, discover_cards, start_command
+from spyre_serve.serve.openai_api import coalesce
 
 
 def test_unknown_field_is_named_by_serves_own_builder_path():
@@ -49,8 +49,8 @@ def test_unknown_frontend_option_fails_serves_builder_naming_it():
 
 
 def test_frontend_options_reach_vllms_own_namespace(tmp_path):
-    from spyre_serve.engine import engine_kwargs
-    from spyre_serve.openai_api import api_keys, serve_namespace
+    from spyre_serve.vllm_plugin.engine import engine_kwargs
+    from spyre_serve.serve.openai_api import api_keys, serve_namespace
     key = tmp_path / "key"
     key.write_text("sk-123\n")
     args = AppArgs(api_key_file=str(key), frontend_kwargs={

@@ -26,7 +26,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from spyre_serve.cli import tool
+from spyre_serve.ops.cli import tool
 from support import MiB, free_port, wait_for
 
 pytestmark = pytest.mark.slow
@@ -202,7 +202,7 @@ def test_load_adds_a_replica_on_a_new_spyre_node_then_scales_down(autoscaling_cl
     from ray import serve
 
     from deployments.openai_app import build_app
-    from spyre_serve.app import AppArgs
+    from spyre_serve.serve.app_args import AppArgs
 
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")

@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from spyre_serve.compiler_report import BlockReport, ReportError, read_report, write_report
+from spyre_serve.handshake.compiler_report import BlockReport, ReportError, read_report, write_report
 
 EXPECT = dict(device="sim0", rank=0, model="m", max_model_len=256)
 
@@ -75,7 +75,7 @@ def test_more_blocks_than_its_own_budget_allows_is_refused(tmp_path):
 
 
 def test_builtin_model_cache_is_keyed_by_what_built_it():
-    from spyre_serve.models import builder_key
+    from spyre_serve.ops.models import builder_key
     assert builder_key("tiny", 1024) == builder_key("tiny", 1024)
     assert builder_key("tiny", 1024) != builder_key("tiny", 2048)
     assert builder_key("tiny", 1024) != builder_key("smollm2")

@@ -1,7 +1,7 @@
 """The block-count decision, without an engine."""
 import pytest
 
-from spyre_serve.coordinator import NotEnoughBlocks, blocks_needed, decide, report_table
+from spyre_serve.handshake.coordinator import NotEnoughBlocks, blocks_needed, decide, report_table
 
 
 def report(rank, num_blocks, device=None):

@@ -4,7 +4,7 @@ import time
 import pytest
 
 from support import MiB
-from spyre_serve.engine import SpyreStartupError, engine_kwargs, start_llm
+from spyre_serve.vllm_plugin.engine import SpyreStartupError, engine_kwargs, start_llm
 
 pytestmark = pytest.mark.slow
 

@@ -15,7 +15,7 @@ from engine_helpers import (
     token_ids,
 )
 
-from spyre_serve.engine import engine_kwargs, start_llm, summarize
+from spyre_serve.vllm_plugin.engine import engine_kwargs, start_llm, summarize
 
 pytestmark = pytest.mark.slow
 

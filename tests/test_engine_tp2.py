@@ -8,7 +8,7 @@ from engine_helpers import (
     assert_nothing_compiled_since_warmup,
 )
 
-from spyre_serve.engine import engine_kwargs, start_llm, summarize
+from spyre_serve.vllm_plugin.engine import engine_kwargs, start_llm, summarize
 
 pytestmark = pytest.mark.slow
 

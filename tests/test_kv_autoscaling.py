@@ -3,7 +3,7 @@ object, filled as Serve's controller fills it)."""
 import pytest
 from ray.serve.config import AutoscalingConfig, AutoscalingContext
 
-from spyre_serve.kv_autoscaling import (CAPACITY, DEMAND, PREEMPTIONS, KVCapacityPolicy,
+from spyre_serve.serve.kv_autoscaling import (CAPACITY, DEMAND, PREEMPTIONS, KVCapacityPolicy,
                                         autoscaling_stats, kv_demand_tokens, replicas_for_kv)
 
 

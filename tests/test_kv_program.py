@@ -3,7 +3,7 @@ import pytest
 import torch
 from vllm import _custom_ops as ops
 
-from spyre_serve.attention import compiled_graphs, make_kv_program
+from spyre_serve.vllm_plugin.attention import compiled_graphs, make_kv_program
 
 HEADS, BLOCK, HEAD = 2, 64, 32
 

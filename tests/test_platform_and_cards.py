@@ -7,17 +7,17 @@ import types
 
 import pytest
 
-from spyre_serve import card as cards
-from spyre_serve.engine import engine_kwargs
-from spyre_serve.platform import register
-from spyre_serve.settings import SpyreSettings
+from spyre_serve.handshake import card as cards
+from spyre_serve.vllm_plugin.engine import engine_kwargs
+from spyre_serve.vllm_plugin.platform import register
+from spyre_serve.vllm_plugin.settings import SpyreSettings
 
 
 def test_plugin_is_registered_and_can_be_turned_off(monkeypatch):
     from importlib.metadata import entry_points
     (ep,) = [e for e in entry_points(group="vllm.platform_plugins") if e.name == "spyre"]
     assert ep.load() is register
-    assert register() == "spyre_serve.platform.SpyrePlatform"
+    assert register() == "spyre_serve.vllm_plugin.platform.SpyrePlatform"
     monkeypatch.setenv("SPYRE_SERVE_PLATFORM", "0")
     assert register() is None
 
@@ -46,7 +46,7 @@ def test_block_size_is_forced_to_64(tiny_model):
     del kwargs["block_size"]
     config = EngineArgs(**kwargs).create_engine_config()
     assert config.cache_config.block_size == 64
-    assert config.parallel_config.worker_cls == "spyre_serve.worker.SpyreWorker"
+    assert config.parallel_config.worker_cls == "spyre_serve.vllm_plugin.worker.SpyreWorker"
 
 
 def test_sendnn_without_torch_sendnn_refuses_and_says_how_to_fix(tiny_model):
@@ -84,7 +84,7 @@ def test_budgets_per_rank():
 
 CLAIM = """
 import sys
-from spyre_serve.card import claim_card
+from spyre_serve.handshake.card import claim_card
 try:
     print(claim_card(sys.argv[1], 2), flush=True)
 except RuntimeError as e:

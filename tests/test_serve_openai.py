@@ -22,7 +22,7 @@ def server(ray_cluster, tiny_model):
     from ray import serve
 
     from deployments.openai_app import build_app
-    from spyre_serve.app import AppArgs
+    from spyre_serve.serve.app_args import AppArgs
 
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})

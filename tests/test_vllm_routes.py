@@ -38,7 +38,7 @@ def server(ray_cluster, tiny_model, tmp_path_factory):
     from ray import serve
 
     from deployments.openai_app import build_app
-    from spyre_serve.app import AppArgs
+    from spyre_serve.serve.app_args import AppArgs
 
     key_file = tmp_path_factory.mktemp("secret") / "api_key"
     key_file.write_text(KEY + "\n")

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from spyre_serve import card
+from spyre_serve.handshake import card
 
 FAULTS_FILE = "faults.json"
 

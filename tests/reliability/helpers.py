@@ -126,13 +126,13 @@ class ServeInstance:
 
     def drain_and_shutdown(self) -> None:
         """What `spyre-serve run` does on Ctrl-C / SIGTERM and `spyre-serve stop` does."""
-        from spyre_serve.shutdown import drain_and_shutdown
+        from spyre_serve.ops.shutdown import drain_and_shutdown
         drain_and_shutdown()
         self.port = None
 
 
 def app_args(tiny_model: str, **overrides):
-    from spyre_serve.app import AppArgs
+    from spyre_serve.serve.app_args import AppArgs
     args = {"model": tiny_model, "served_model_name": MODEL, "max_model_len": MAX_MODEL_LEN,
             "max_num_seqs": 8, "replica_num_cpus": 0.5, "card_memory_bytes": CARD}
     args.update(overrides)
@@ -144,7 +144,7 @@ def deploy(serve_instance: ServeInstance, name: str, args, *, wait: bool = True,
     """serve.run without blocking forever: poll the app's status with a deadline."""
     from ray import serve
 
-    from spyre_serve.replica import SpyreLLMServer
+    from spyre_serve.serve.replica import SpyreLLMServer
 
     port = serve_instance.ensure()
     options = {**args.deployment_options(), **deployment_options}

@@ -56,7 +56,7 @@ def pid_of_card(device: str) -> int:
     """The process holding a card's lock (card.py writes its pid into the lock file)."""
     import ray
 
-    from spyre_serve import card
+    from spyre_serve.handshake import card
     index = int(device.removeprefix("sim"))
     lock = Path(card._CLAIM_DIR) / ray.get_runtime_context().get_node_id() / f"card{index}.lock"
     return int(lock.read_text())

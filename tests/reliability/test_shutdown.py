@@ -11,7 +11,7 @@ over a few seconds.
 2. Deleting an app (`serve.delete`) while 4 streams are in flight: all 4 complete in full
    and the replica drains within the graceful timeout.
 3. Shutting Serve down while 4 streams are in flight, the way `spyre-serve run` does on
-   Ctrl-C / SIGTERM (spyre_serve.shutdown: delete the apps, then `serve.shutdown()`): all 4
+   Ctrl-C / SIGTERM (spyre_serve.ops.shutdown: delete the apps, then `serve.shutdown()`): all 4
    complete. Ray Serve 2.60's bare `serve.shutdown()` (what plain `serve run` does) kills
    its HTTP proxies first and cuts them.
 """
@@ -128,7 +128,7 @@ def drain_app(serve_instance, tiny_model):
 def test_config_update_drains_in_flight_streams(drain_app, serve_instance, tiny_model):
     from ray import serve
 
-    from spyre_serve.replica import SpyreLLMServer
+    from spyre_serve.serve.replica import SpyreLLMServer
 
     app = drain_app
     old = app.status()

@@ -15,9 +15,9 @@ import time
 import psutil
 import pytest
 
-from spyre_serve.compiler_report import BlockReport, ReportError, read_report, write_report
-from spyre_serve.coordinator import decide
-from spyre_serve.engine import SpyreStartupError, engine_kwargs, start_llm
+from spyre_serve.handshake.compiler_report import BlockReport, ReportError, read_report, write_report
+from spyre_serve.handshake.coordinator import decide
+from spyre_serve.vllm_plugin.engine import SpyreStartupError, engine_kwargs, start_llm
 
 from . import faulty_compiler
 from .helpers import CARD, MiB, app_args, delete_app, deploy, record, wait_for, wait_for_app

@@ -9,7 +9,7 @@ import math
 from dataclasses import asdict, dataclass, field
 
 from spyre_serve import get_logger
-from spyre_serve.compiler_report import BLOCK_SIZE
+from spyre_serve.handshake.compiler_report import BLOCK_SIZE
 
 logger = get_logger(__name__)
 

@@ -15,9 +15,9 @@ from vllm.v1.executor.ray_executor import RayDistributedExecutor
 from vllm.v1.executor.ray_utils import RayWorkerWrapper
 
 from spyre_serve import get_logger, vllm_compat
-from spyre_serve.card import claim_card
-from spyre_serve.coordinator import decide
-from spyre_serve.settings import SpyreSettings
+from spyre_serve.handshake.card import claim_card
+from spyre_serve.handshake.coordinator import decide
+from spyre_serve.vllm_plugin.settings import SpyreSettings
 
 logger = get_logger(__name__)
 

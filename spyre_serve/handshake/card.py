@@ -14,13 +14,13 @@ from pathlib import Path
 from typing import Callable
 
 from spyre_serve import get_logger
-from spyre_serve.compiler_report import (
+from spyre_serve.handshake.compiler_report import (
     BlockReport,
     read_report,
     report_path,
     write_report,
 )
-from spyre_serve.settings import SpyreSettings
+from spyre_serve.vllm_plugin.settings import SpyreSettings
 
 logger = get_logger(__name__)
 

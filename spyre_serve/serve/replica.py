@@ -18,14 +18,14 @@ import time
 import ray
 from ray import serve
 
-from spyre_serve.app import AppArgs
+from spyre_serve.serve.app_args import AppArgs
 
 logger = logging.getLogger(__name__)
 
 
 def resolve_model_once_per_node(model: str) -> str:
     """Build a builtin model at most once per node, even when replicas start together."""
-    from spyre_serve.models import CACHE_DIR, resolve
+    from spyre_serve.ops.models import CACHE_DIR, resolve
     CACHE_DIR.mkdir(parents=True, exist_ok=True)
     with open(CACHE_DIR / ".build.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -36,9 +36,9 @@ def resolve_model_once_per_node(model: str) -> str:
 @serve.ingress()
 class SpyreLLMServer:
     async def __init__(self, app_args: dict):
-        from spyre_serve.engine import engine_kwargs, start_async_engine, summarize
-        from spyre_serve.openai_api import build_openai_app
-        from spyre_serve.serving_metrics import LatestSchedulerStats, ReplicaMetrics
+        from spyre_serve.vllm_plugin.engine import engine_kwargs, start_async_engine, summarize
+        from spyre_serve.serve.openai_api import build_openai_app
+        from spyre_serve.serve.metrics import LatestSchedulerStats, ReplicaMetrics
 
         started = time.monotonic()
         self.args = AppArgs.model_validate(app_args)
@@ -93,14 +93,14 @@ class SpyreLLMServer:
         return self.api
 
     def kv_blocks(self) -> dict:
-        from spyre_serve.serving_metrics import kv_blocks
+        from spyre_serve.serve.metrics import kv_blocks
         return kv_blocks(self.handshake["num_blocks"], self.handshake["usable_blocks"],
                          self.latest_stats)
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve's autoscaler asks every metrics interval: KV demand against capacity, for
-        spyre_serve.kv_autoscaling.KVCapacityPolicy (ignored by Serve's default policy)."""
-        from spyre_serve.kv_autoscaling import autoscaling_stats
+        spyre_serve.serve.kv_autoscaling.KVCapacityPolicy (ignored by Serve's default policy)."""
+        from spyre_serve.serve.kv_autoscaling import autoscaling_stats
         now, preemptions = time.monotonic(), self.latest_stats.preemptions
         last_time, last_preemptions = getattr(self, "_last_preemptions", (now, preemptions))
         self._last_preemptions = (now, preemptions)
@@ -111,7 +111,7 @@ class SpyreLLMServer:
                                  kv["waiting_requests"], rate)
 
     async def status(self) -> dict:
-        from spyre_serve.engine import summarize
+        from spyre_serve.vllm_plugin.engine import summarize
         # Asked again each time: the live KV shapes show what each card really holds.
         live = summarize(await self.engine.collective_rpc("spyre_status"))
         group = ray.util.get_current_placement_group()

@@ -42,7 +42,7 @@ from vllm.tool_parsers import ToolParserManager
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 
 from spyre_serve import vllm_compat
-from spyre_serve.serving_metrics import PROMETHEUS_CONTENT_TYPE
+from spyre_serve.serve.metrics import PROMETHEUS_CONTENT_TYPE
 
 # The serving hooks this module imports above, checked once per replica process.
 vllm_compat.check_once(vllm_compat.SERVING)

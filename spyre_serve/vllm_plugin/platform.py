@@ -12,13 +12,13 @@ import os
 from vllm.platforms.cpu import CpuPlatform
 
 from spyre_serve import get_logger, vllm_compat
-from spyre_serve.card import require_backend
-from spyre_serve.compiler_report import BLOCK_SIZE
-from spyre_serve.settings import SpyreSettings
+from spyre_serve.handshake.card import require_backend
+from spyre_serve.handshake.compiler_report import BLOCK_SIZE
+from spyre_serve.vllm_plugin.settings import SpyreSettings
 
 logger = get_logger(__name__)
 
-WORKER_CLS = "spyre_serve.worker.SpyreWorker"
+WORKER_CLS = "spyre_serve.vllm_plugin.worker.SpyreWorker"
 DISABLE_ENV = "SPYRE_SERVE_PLATFORM"
 
 
@@ -26,7 +26,7 @@ def register() -> str | None:
     """Entry point: active unless SPYRE_SERVE_PLATFORM=0 (e.g. to run plain vLLM beside us)."""
     if os.environ.get(DISABLE_ENV, "1") == "0":
         return None
-    return "spyre_serve.platform.SpyrePlatform"
+    return "spyre_serve.vllm_plugin.platform.SpyrePlatform"
 
 
 class SpyrePlatform(CpuPlatform):
@@ -38,7 +38,7 @@ class SpyrePlatform(CpuPlatform):
     def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None) -> str:
         path = super().get_attn_backend_cls(selected_backend, attn_selector_config, num_heads)
         if path.endswith(".CPUAttentionBackend"):
-            return "spyre_serve.attention.SpyreCardAttentionBackend"
+            return "spyre_serve.vllm_plugin.attention.SpyreCardAttentionBackend"
         return path
 
     @classmethod
@@ -65,7 +65,7 @@ class SpyrePlatform(CpuPlatform):
         if parallel_config.worker_cls == "auto":
             parallel_config.worker_cls = WORKER_CLS
         super().check_and_update_config(vllm_config)
-        from spyre_serve.executor import SpyreRayExecutor
+        from spyre_serve.vllm_plugin.executor import SpyreRayExecutor
         backend = parallel_config.distributed_executor_backend
         if not (isinstance(backend, type) and issubclass(backend, SpyreRayExecutor)):
             # Cards are Ray resources held by one actor each; any other executor would run

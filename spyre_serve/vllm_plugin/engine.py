@@ -6,8 +6,8 @@ import os
 import uuid
 from typing import Any
 
-from spyre_serve.compiler_report import BLOCK_SIZE
-from spyre_serve.settings import SpyreSettings
+from spyre_serve.handshake.compiler_report import BLOCK_SIZE
+from spyre_serve.vllm_plugin.settings import SpyreSettings
 
 # Engine kwargs spyre_serve sets itself; AppArgs refuses them too (before `serve run` starts).
 RESERVED_ENGINE_KWARGS = ("distributed_executor_backend", "additional_config")
@@ -19,7 +19,7 @@ def engine_kwargs(model: str, *, tensor_parallel_size: int = 1, max_model_len: i
                   max_num_seqs: int = 8, spyre: SpyreSettings | dict | None = None,
                   **extra: Any) -> dict[str, Any]:
     """Keyword arguments for ``vllm.LLM`` / ``AsyncEngineArgs`` that run on Spyre cards."""
-    from spyre_serve.executor import SpyreRayExecutor
+    from spyre_serve.vllm_plugin.executor import SpyreRayExecutor
 
     settings = spyre if isinstance(spyre, SpyreSettings) else SpyreSettings.model_validate(spyre or {})
     settings = settings.model_copy(update={"startup_id": uuid.uuid4().hex})

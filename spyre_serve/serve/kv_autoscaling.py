@@ -60,7 +60,7 @@ def replicas_for_kv(demand: float, capacity_per_replica: float, target_utilizati
 
 
 class KVCapacityPolicy:
-    """`autoscaling_config.policy.policy_function: spyre_serve.kv_autoscaling:KVCapacityPolicy`.
+    """`autoscaling_config.policy.policy_function: spyre_serve.serve.kv_autoscaling:KVCapacityPolicy`.
 
     policy_kwargs: target_kv_utilization (default 0.8), use_ongoing_requests (default true:
     also apply Serve's own ongoing-request rule and take the larger answer).

@@ -11,7 +11,7 @@ import time
 
 from spyre_serve import get_logger
 
-logger = get_logger("spyre_serve.shutdown")
+logger = get_logger("spyre_serve.ops.shutdown")
 
 
 def drain_and_shutdown(timeout_s: float = 300.0) -> list[str]:

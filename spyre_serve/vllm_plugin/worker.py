@@ -11,11 +11,11 @@ from vllm.v1.core.kv_cache_utils import (
 )
 from vllm.v1.worker.cpu_worker import CPUWorker
 
-from spyre_serve import card as cards
+from spyre_serve.handshake import card as cards
 from spyre_serve import get_logger
-from spyre_serve.attention import compiled_graphs, install_kv_program
-from spyre_serve.settings import SpyreSettings
-from spyre_serve.warmup import WARMUP_BLOCKS, run_warmup, status_bytes
+from spyre_serve.vllm_plugin.attention import compiled_graphs, install_kv_program
+from spyre_serve.vllm_plugin.settings import SpyreSettings
+from spyre_serve.vllm_plugin.warmup import WARMUP_BLOCKS, run_warmup, status_bytes
 
 logger = get_logger(__name__)
 

@@ -9,8 +9,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, field_validator, model_validator
 
-from spyre_serve.engine import RESERVED_ENGINE_KWARGS
-from spyre_serve.models import BUILTIN_MODELS, BUILTIN_PREFIX, DEMO_MODEL
+from spyre_serve.vllm_plugin.engine import RESERVED_ENGINE_KWARGS
+from spyre_serve.ops.models import BUILTIN_MODELS, BUILTIN_PREFIX, DEMO_MODEL
 
 
 # Engine kwargs the app sets from its own fields: a second way to set them would be ambiguous.
@@ -129,7 +129,7 @@ class AppArgs(BaseModel):
         return settings
 
     def engine_kwargs_for(self, model_path: str) -> dict[str, Any]:
-        """Arguments for spyre_serve.engine.engine_kwargs, once the model is on this node."""
+        """Arguments for spyre_serve.vllm_plugin.engine.engine_kwargs, once the model is on this node."""
         return {
             "model": model_path,
             "tensor_parallel_size": self.tensor_parallel_size,

@@ -202,7 +202,7 @@ def stop_head(head: subprocess.Popen | None) -> None:
 def config_uses_demo_model(config: Path) -> bool:
     import yaml
     data = yaml.safe_load(config.read_text()) or {}
-    from spyre_serve.models import DEMO_MODEL
+    from spyre_serve.ops.models import DEMO_MODEL
     for app in data.get("applications", []):
         if (app.get("args") or {}).get("model", DEMO_MODEL) == DEMO_MODEL:
             return True
@@ -290,7 +290,7 @@ def supervise(cmd: list[str], address: str, urls: list[tuple[str, str]] = ()) ->
     """Run `serve run`; on Ctrl-C or SIGTERM drain the apps before Serve shuts down.
 
     `serve run` itself answers Ctrl-C with `serve.shutdown()`, which cuts in-flight streams
-    (see spyre_serve.shutdown), so the child runs in its own process group, out of reach of
+    (see spyre_serve.ops.shutdown), so the child runs in its own process group, out of reach of
     the terminal's and a supervisor's group signals, and this process drains first.
     """
     stop_asked = threading.Event()
@@ -307,7 +307,7 @@ def supervise(cmd: list[str], address: str, urls: list[tuple[str, str]] = ()) ->
         return child.returncode
     say("draining the Serve applications, then shutting Serve down")
     try:
-        from spyre_serve.shutdown import drain_cluster
+        from spyre_serve.ops.shutdown import drain_cluster
         drain_cluster(address)
     finally:
         child.terminate()
@@ -325,7 +325,7 @@ def stop(temp_dir: str | None = None) -> int:
     pid_file = root / HEAD_PID_FILE
     address = running_cluster(temp_dir)
     if address:
-        from spyre_serve.shutdown import drain_cluster
+        from spyre_serve.ops.shutdown import drain_cluster
         try:
             drained = drain_cluster(address)
             say(f"drained {len(drained) or 'no'} Serve application(s)")

@@ -1,0 +1,1 @@
+"""Running it: the spyre-serve CLI, draining shutdown, and the builtin models."""
