@@ -187,11 +187,13 @@ async def build_openai_app(engine, engine_kwargs: dict[str, Any],
     app.state.server = types.SimpleNamespace(should_exit=False)
     keys = api_keys(args)
 
-    async def require_key(request: Request) -> None:
+    def key_refused(request: Request) -> Response | None:
         """/spyre/status shows paths and placement groups: same key as the /v1 routes."""
         given = request.headers.get("authorization", "")
         if keys and not any(secrets.compare_digest(given, f"Bearer {k}") for k in keys):
-            raise StarletteHTTPException(401, "Unauthorized: a valid API key is required")
+            return openai_error("Unauthorized: a valid API key is required", 401,
+                                "AuthenticationError")
+        return None
 
     @app.exception_handler(StarletteHTTPException)
     async def framework_error(_, exc: StarletteHTTPException):
@@ -234,8 +236,10 @@ async def build_openai_app(engine, engine_kwargs: dict[str, Any],
             return response
         return JSONResponse({"status": "ok"}, headers=tag)
 
-    @app.get("/spyre/status", dependencies=[Depends(require_key)])
-    async def spyre_status():
+    @app.get("/spyre/status")
+    async def spyre_status(request: Request):
+        if refused := key_refused(request):
+            return refused
         return JSONResponse(_jsonable(await status()), headers=tag)
 
     @app.get("/metrics")
