@@ -201,6 +201,10 @@ async def build_openai_app(engine, engine_kwargs: dict[str, Any],
         name = HTTPStatus(exc.status_code).phrase.replace(" ", "") + "Error"
         return openai_error(str(exc.detail), exc.status_code, name)
 
+    # build_app has already built the middleware stack (vLLM's instrumentator does), and
+    # Starlette reads exception handlers only when it builds it: rebuild at first request.
+    app.middleware_stack = None
+
     state = app.state
 
     def respond(result) -> Response:
