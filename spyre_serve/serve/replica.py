@@ -81,11 +81,18 @@ class SpyreLLMServer:
         Warmup drives each rank directly; the executor's own first step (vLLM's Ray
         executor builds its compiled graph there) would otherwise land on a client.
         """
-        from vllm import SamplingParams
+        from vllm import PoolingParams, SamplingParams
         started = time.monotonic()
-        params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
-        async for _ in self.engine.generate({"prompt_token_ids": [1, 2, 3, 4]}, params,
-                                            request_id=f"spyre-first-{self.replica_id}"):
+        prompt, request_id = {"prompt_token_ids": [1, 2, 3, 4]}, f"spyre-first-{self.replica_id}"
+        tasks = await self.engine.get_supported_tasks()
+        if "generate" in tasks:
+            params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+            outputs = self.engine.generate(prompt, params, request_id=request_id)
+        else:  # a pooling model (embeddings): one prefill through its pooler
+            pooling = next(t for t in tasks if t in ("embed", "classify", "score",
+                                                      "token_embed", "token_classify"))
+            outputs = self.engine.encode(prompt, PoolingParams(task=pooling), request_id)
+        async for _ in outputs:
             pass
         return time.monotonic() - started
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import time
 
+from vllm.pooling_params import PoolingParams
 from vllm.sampling_params import SamplingParams
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request
@@ -32,6 +33,16 @@ def warmup_requests(max_model_len: int, vocab_size: int) -> list[list[tuple[list
         [(_prompt(long_len, vocab_size, 1), 4), (_prompt(short_len, vocab_size, 2), 4)],
         [(_prompt(max(2, min(64, max_model_len - 4)), vocab_size, 3), 2)],
     ]
+
+
+def warmup_params(model_runner, model_config, max_tokens: int):
+    """(sampling, pooling) params of a warmup request: a pooling model (embeddings) runs
+    its prefill and pooler, a generating one prefills and decodes `max_tokens`."""
+    if model_config.runner_type == "pooling":
+        pooling = PoolingParams(task=model_runner.get_supported_pooling_tasks()[0])
+        pooling.verify(model_config)
+        return None, pooling
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True), None
 
 
 def status_bytes(field: str) -> int:
@@ -78,8 +89,9 @@ def run_warmup(model_runner, vllm_config, kv_cache_config) -> dict:
             rss_before = status_bytes("VmRSS")
             tracked = _reset_peak_rss()
         for i, (prompt, max_tokens) in enumerate(round_):
-            params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-            scheduler.add_request(Request(f"spyre-warmup-{round_no}-{i}", prompt, params, None))
+            sampling, pooling = warmup_params(model_runner, vllm_config.model_config, max_tokens)
+            scheduler.add_request(Request(f"spyre-warmup-{round_no}-{i}", prompt, sampling,
+                                          pooling))
         while scheduler.has_unfinished_requests():
             scheduler_output = scheduler.schedule()
             output = model_runner.execute_model(scheduler_output)

@@ -53,6 +53,11 @@ class SpyreWorker(CPUWorker):
         started = time.time()
         runner = self.model_runner
         spec = runner.get_kv_cache_spec()
+        if not spec:
+            raise RuntimeError(
+                f"rank {self.rank}: {self.model_config.model} keeps no KV cache (an encoder-only "
+                "model), so the block handshake has nothing to size. spyre_serve serves decoder "
+                "models: for embeddings use one with engine_kwargs runner: pooling, convert: embed")
         groups = get_kv_cache_groups(self.vllm_config, spec)
         saved_override = self.cache_config.num_gpu_blocks_override
         self.cache_config.num_gpu_blocks_override = WARMUP_BLOCKS
