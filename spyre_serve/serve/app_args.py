@@ -71,10 +71,9 @@ class AppArgs(BaseModel):
                                  f"`{_OWN_FIELDS[key]}` instead")
             if key in RESERVED_ENGINE_KWARGS:
                 raise ValueError(f"engine_kwargs.{key} is set by spyre_serve; remove it")
-        unknown = sorted(set(kwargs) - _vllm_engine_arg_names()) if kwargs else []
-        if unknown:
-            raise ValueError(f"engine_kwargs.{unknown[0]} is not an argument of vLLM's "
-                             f"AsyncEngineArgs (unknown: {', '.join(unknown)})")
+        if kwargs:
+            _refuse_unknown("engine_kwargs", kwargs, _vllm_engine_arg_names(),
+                            "an argument of vLLM's AsyncEngineArgs")
         return kwargs
 
     @field_validator("frontend_kwargs")
@@ -84,11 +83,8 @@ class AppArgs(BaseModel):
             if key in _NOT_UNDER_SERVE:
                 raise ValueError(f"frontend_kwargs.{key} belongs to the HTTP server, which is "
                                  "Ray Serve's here: set http_options in serve_config.yaml")
-        names = _vllm_frontend_arg_names()
-        unknown = sorted(set(kwargs) - names)
-        if unknown:
-            raise ValueError(f"frontend_kwargs.{unknown[0]} is not one of vLLM's frontend "
-                             f"options (unknown: {', '.join(unknown)})")
+        _refuse_unknown("frontend_kwargs", kwargs, _vllm_frontend_arg_names(),
+                        "one of vLLM's frontend options")
         if isinstance(kwargs.get("api_key"), str):
             kwargs = {**kwargs, "api_key": [kwargs["api_key"]]}
         from vllm.entrypoints.launchers.cli_args import FrontendArgs
@@ -183,6 +179,12 @@ _NOT_UNDER_SERVE = {
     "ssl_ciphers", "h11_max_incomplete_event_size", "h11_max_header_count", "grpc_port",
     "data_parallel_supervisor_port", "dp_supervisor_probe_interval_s",
     "dp_supervisor_probe_timeout_s", "dp_supervisor_probe_failure_threshold"}
+
+
+def _refuse_unknown(field: str, kwargs: dict[str, Any], names: set[str], what: str) -> None:
+    unknown = sorted(set(kwargs) - names)
+    if unknown:
+        raise ValueError(f"{field}.{unknown[0]} is not {what} (unknown: {', '.join(unknown)})")
 
 
 def _vllm_frontend_arg_names() -> set[str]:
