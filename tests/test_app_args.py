@@ -34,6 +34,7 @@ def test_unknown_field_is_named_by_serves_own_builder_path():
     ({"frontend_kwargs": {"enable_auto_tool_choice": True, "tool_call_parser": "nope"}},
      "tool_call_parser 'nope'"),
     ({"frontend_kwargs": {"api_key": "a"}, "api_key_file": "/k"}, "api_key_file"),
+    ({"engine_kwargs": {"block_size": 16}}, "block_size=16 is not supported"),
 ])
 def test_invalid_args_name_the_field(args, named):
     with pytest.raises(ValidationError) as err:

@@ -74,6 +74,8 @@ class AppArgs(BaseModel):
         if kwargs:
             _refuse_unknown("engine_kwargs", kwargs, _vllm_engine_arg_names(),
                             "an argument of vLLM's AsyncEngineArgs")
+            from spyre_serve.vllm_plugin.platform import check_block_size
+            check_block_size(kwargs.get("block_size"))
         return kwargs
 
     @field_validator("frontend_kwargs")

@@ -20,16 +20,14 @@ def engine_kwargs(model: str, *, tensor_parallel_size: int = 1, max_model_len: i
                   **extra: Any) -> dict[str, Any]:
     """Keyword arguments for ``vllm.LLM`` / ``AsyncEngineArgs`` that run on Spyre cards."""
     from spyre_serve.vllm_plugin.executor import SpyreRayExecutor
+    from spyre_serve.vllm_plugin.platform import check_block_size
 
     settings = spyre if isinstance(spyre, SpyreSettings) else SpyreSettings.model_validate(spyre or {})
     settings = settings.model_copy(update={"startup_id": uuid.uuid4().hex})
     for reserved in RESERVED_ENGINE_KWARGS:
         if reserved in extra:
             raise ValueError(f"{reserved} is set by spyre_serve; remove it from the engine kwargs")
-    if extra.get("block_size", BLOCK_SIZE) != BLOCK_SIZE:
-        raise ValueError(f"block_size={extra['block_size']} is not supported: Spyre cards use "
-                         f"fixed {BLOCK_SIZE}-token KV blocks. Remove block_size or set it to "
-                         f"{BLOCK_SIZE}.")
+    check_block_size(extra.get("block_size"))
     return {
         **ENGINE_DEFAULTS,
         **extra,

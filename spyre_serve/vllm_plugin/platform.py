@@ -22,6 +22,15 @@ WORKER_CLS = "spyre_serve.vllm_plugin.worker.SpyreWorker"
 DISABLE_ENV = "SPYRE_SERVE_PLATFORM"
 
 
+def check_block_size(requested: int | None) -> None:
+    """The one block-size rule, for every way in (engine kwargs, AppArgs, vLLM's config)."""
+    if requested is not None and requested != BLOCK_SIZE:
+        raise ValueError(
+            f"block_size={requested} is not supported: Spyre cards hold the KV cache in fixed "
+            f"{BLOCK_SIZE}-token blocks. Remove block_size from the engine arguments or set it "
+            f"to {BLOCK_SIZE}.")
+
+
 def register() -> str | None:
     """Entry point: active unless SPYRE_SERVE_PLATFORM=0 (e.g. to run plain vLLM beside us)."""
     if os.environ.get(DISABLE_ENV, "1") == "0":
@@ -50,11 +59,8 @@ class SpyrePlatform(CpuPlatform):
         settings = SpyreSettings.from_vllm_config(vllm_config)
         require_backend(settings.backend)
         cache_config = vllm_config.cache_config
-        if cache_config.user_specified_block_size and cache_config.block_size != BLOCK_SIZE:
-            raise ValueError(
-                f"block_size={cache_config.block_size} is not supported: Spyre cards hold the KV "
-                f"cache in fixed {BLOCK_SIZE}-token blocks. Remove block_size from the engine "
-                f"arguments or set it to {BLOCK_SIZE}.")
+        if cache_config.user_specified_block_size:
+            check_block_size(cache_config.block_size)
         cache_config.block_size = BLOCK_SIZE
         cache_config.user_specified_block_size = True
         if cache_config.kv_cache_memory_bytes is None:
