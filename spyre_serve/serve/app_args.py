@@ -48,6 +48,9 @@ class AppArgs(BaseModel):
     num_replicas: PositiveInt | None = Field(None, description="Fixed replica count")
     autoscaling_config: dict[str, Any] | None = Field(
         None, description="Ray Serve autoscaling_config, passed through (instead of num_replicas)")
+    request_router_config: dict[str, Any] | None = Field(
+        None, description="Ray Serve request_router_config, passed through; e.g. "
+        "request_router_class: spyre_serve.serve.kv_routing:KVCapacityRouter")
     max_ongoing_requests: PositiveInt = Field(
         64, description="Per replica; vLLM queues what its max_num_seqs cannot run at once")
     replica_num_cpus: float = Field(
@@ -167,6 +170,8 @@ class AppArgs(BaseModel):
             "health_check_timeout_s": self.health_check_timeout_s,
             "graceful_shutdown_timeout_s": self.graceful_shutdown_timeout_s,
         }
+        if self.request_router_config is not None:
+            options["request_router_config"] = self.request_router_config
         if self.autoscaling_config is not None:
             options["autoscaling_config"] = self.autoscaling_config
         else:

@@ -117,6 +117,16 @@ class SpyreLLMServer:
                                  self.handshake["block_size"], kv["running_requests"],
                                  kv["waiting_requests"], rate)
 
+    def record_routing_stats(self) -> dict[str, float]:
+        """Serve's routers ask every request_routing_stats_period_s: free KV tokens, for
+        spyre_serve.serve.kv_routing.KVCapacityRouter (ignored by Serve's default router)."""
+        from spyre_serve.serve.kv_autoscaling import kv_demand_tokens
+        from spyre_serve.serve.kv_routing import routing_stats
+        kv, block_size = self.kv_blocks(), self.handshake["block_size"]
+        demand = kv_demand_tokens(kv["used_blocks"], block_size, kv["running_requests"],
+                                  kv["waiting_requests"])
+        return routing_stats(kv["usable_blocks"], block_size, demand)
+
     async def status(self) -> dict:
         from spyre_serve.vllm_plugin.engine import summarize
         # Asked again each time: the live KV shapes show what each card really holds.
