@@ -3,6 +3,7 @@ import time
 
 import pytest
 
+from reliability import faulty_compiler
 from support import MiB
 from spyre_serve.vllm_plugin.engine import SpyreStartupError, engine_kwargs, start_llm
 
@@ -23,9 +24,10 @@ def assert_nothing_left(ray, timeout=60):
         time.sleep(0.5)
 
 
-def start(tiny_model, tp=1, **spyre):
+def start(tiny_model, tp=1, extra=None, **spyre):
     return start_llm(engine_kwargs(tiny_model, tensor_parallel_size=tp, max_model_len=256,
-                                   max_num_seqs=2, spyre={"card_memory_bytes": 64 * MiB, **spyre}))
+                                   max_num_seqs=2, spyre={"card_memory_bytes": 64 * MiB, **spyre},
+                                   **(extra or {})))
 
 
 def test_card_too_small_names_the_rank_and_the_fix(ray_cluster, tiny_model):
@@ -39,10 +41,12 @@ def test_card_too_small_names_the_rank_and_the_fix(ray_cluster, tiny_model):
 
 
 @pytest.mark.parametrize("fault,words", [("missing", "is missing"), ("corrupt", "is corrupt"),
-                                         ("stale", "is stale")])
+                                         ({"model": "an-earlier-model"}, "is stale")])
 def test_bad_report_names_the_file(ray_cluster, tiny_model, tmp_path, fault, words):
+    faulty_compiler.write_faults(tmp_path, {0: fault})
     with pytest.raises(SpyreStartupError) as e:
-        start(tiny_model, report_dir=str(tmp_path), simulated_report_fault={0: fault})
+        start(tiny_model, report_dir=str(tmp_path),
+              extra={"worker_extension_cls": faulty_compiler.qualname()})
     msg = str(e.value)
     assert "ReportError" in msg and words in msg
     assert str(tmp_path / "sim") in msg and ".json" in msg

@@ -132,18 +132,7 @@ class SimulatedCard(Card):
             memory_budget_bytes=self.memory_budget_bytes, weights_bytes=measured.weights_bytes,
             activation_peak_bytes=measured.activation_peak_bytes,
             bytes_per_block=measured.bytes_per_block)
-        fault = self.settings.simulated_report_fault.get(self.rank)
-        path = self.report_file
-        if fault == "missing":
-            path.unlink(missing_ok=True)
-            return
-        if fault == "corrupt":
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text('{"schema": 1, "num_blocks": ')
-            return
-        if fault == "stale":
-            report = BlockReport(**{**report.to_dict(), "model": model + "-previous"})
-        write_report(path, report)
+        write_report(self.report_file, report)
 
 
 class SendnnCard(Card):

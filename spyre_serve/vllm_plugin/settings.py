@@ -21,9 +21,6 @@ class SpyreSettings(BaseModel):
     report_dir: str = Field(DEFAULT_REPORT_DIR, description="Where card compilers write block reports")
     compile_kv_program: bool = Field(
         True, description="Compile the card's KV-cache program (torch.compile); off only for debugging")
-    simulated_report_fault: dict[int, Literal["missing", "corrupt", "stale"]] = Field(
-        default_factory=dict,
-        description="Validation drills: make the simulated compiler of these ranks write a bad report")
 
     startup_id: str = Field(
         "", description="Set by spyre_serve per engine start: names the file a startup error goes to")

@@ -1,12 +1,13 @@
-"""A card compiler that writes a damaged block report, for the faults the drill has no switch for.
+"""A card compiler that writes a damaged block report: the fault drills, on the test side.
 
-`simulated_report_fault` makes the simulated compiler drop its report, truncate it, or name
-another model. A real compiler can get more wrong than that: a report for another shape,
-block size or schema, or one that names another rank or card. This module is loaded into
-every card actor through vLLM's `worker_extension_cls` (it adds no methods to the worker);
-importing it wraps the simulated compiler so that, right after it writes its report, the
-fields listed for its rank in `<report_dir>/faults.json` are overwritten:
+A real compiler can fail to write its report, leave it half written, or write one for
+another model, shape, block size or schema, or for another rank or card. This module is
+loaded into every card actor through vLLM's `worker_extension_cls` (it adds no methods to
+the worker); importing it wraps the simulated compiler so that, right after it writes its
+report, the fault listed for its rank in `<report_dir>/faults.json` is applied:
 
+    {"0": "missing"}                     rank 0's report is never written
+    {"0": "corrupt"}                     rank 0's report is cut off mid-write
     {"1": {"block_size": 32}}            rank 1's compiler reports 32-token blocks
     {"0": {"__delete__": ["model"]}}     rank 0's report lacks its model field
 
@@ -23,12 +24,18 @@ from spyre_serve.handshake import card
 FAULTS_FILE = "faults.json"
 
 
-def write_faults(report_dir: Path, faults: dict[int, dict]) -> None:
+def write_faults(report_dir: Path, faults: dict[int, dict | str]) -> None:
     report_dir.mkdir(parents=True, exist_ok=True)
     (report_dir / FAULTS_FILE).write_text(json.dumps({str(k): v for k, v in faults.items()}))
 
 
-def _damage(report_file: Path, changes: dict) -> None:
+def _damage(report_file: Path, changes: dict | str) -> None:
+    if changes == "missing":
+        report_file.unlink()
+        return
+    if changes == "corrupt":
+        report_file.write_text('{"schema": 1, "num_blocks": ')
+        return
     data = json.loads(report_file.read_text())
     for key in changes.get("__delete__", []):
         data.pop(key, None)
