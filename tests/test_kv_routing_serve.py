@@ -57,8 +57,9 @@ def test_routing_stats_are_free_kv_tokens(served):
         return handle.record_routing_stats.remote().result(timeout_s=30)["free_kv_tokens"]
 
     wait_for("an idle replica to report its whole cache free", lambda: free() == capacity, 60)
-    body = {"model": "tiny", "prompt": "hold blocks " * 20, "max_tokens": 120,
-            "min_tokens": 120, "temperature": 0}
+    # 64 prompt tokens + 120 generated: 3 blocks each at the end.
+    body = {"model": "tiny", "prompt": [5] * 64, "max_tokens": 120, "min_tokens": 120,
+            "temperature": 0}
     lowest = capacity
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         # 4 requests, 2 run (max_num_seqs) and 2 wait: demand beyond what is held.
@@ -66,6 +67,7 @@ def test_routing_stats_are_free_kv_tokens(served):
                    for _ in range(4)]
         while not all(f.done() for f in futures):
             lowest = min(lowest, free())
-        assert all(f.result().status_code == 200 for f in futures)
+        answers = [f.result() for f in futures]
+        assert all(a.status_code == 200 for a in answers), [a.text[:300] for a in answers]
     assert lowest < capacity - 2 * 64  # at least two requests' blocks were counted
     wait_for("the blocks to be free again", lambda: free() == capacity, 60)
