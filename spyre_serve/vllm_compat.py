@@ -75,6 +75,8 @@ ENGINE = (
          params=("kv_cache_config", "is_profiling")),
     Hook("vllm.v1.worker.gpu_model_runner:GPUModelRunner._cleanup_profiling_kv_cache",
          "frees the 4-block warmup cache so the decided size can be allocated"),
+    Hook("vllm.v1.worker.gpu_model_runner:GPUModelRunner.get_supported_pooling_tasks",
+         "a pooling model (embeddings) warms up on requests of a task its runner supports"),
     Hook("vllm.v1.core.sched.scheduler:Scheduler",
          "a private scheduler inside each rank drives warmup in lockstep without the engine",
          params=("vllm_config", "kv_cache_config", "structured_output_manager", "block_size")),
