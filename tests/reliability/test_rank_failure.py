@@ -135,20 +135,24 @@ def test_killed_rank_fails_requests_fast_and_serve_replaces_the_replica(rank_app
                     outcomes[name] = f"client_error:{type(e).__name__}"
                 ended_after_kill[name] = time.monotonic() - killed_at.get("t", time.monotonic())
 
+            # All requests go out together, so they are admitted in the same few engine
+            # steps and none can finish before the last one runs (sending the plain ones
+            # after the streams had started let an early stream finish first under load).
             tasks = [asyncio.create_task(track(f"stream{i}", stream_until_end(
                 client, i, started, counter))) for i in range(STREAMS)]
-            await asyncio.wait_for(started.wait(), 120)      # every stream has tokens flowing
             tasks += [asyncio.create_task(track(f"plain{i}", plain_request(client, i)))
                       for i in range(PLAIN)]
             # Kill only once the engine runs all of them (a request still queued in Serve
-            # would just wait for the next replica).
-            deadline = time.monotonic() + 60
-            while True:
-                text = (await client.get("/metrics")).text
-                if metric(text, "vllm:num_requests_running") == STREAMS + PLAIN:
-                    break
-                assert time.monotonic() < deadline, "the requests never all ran"
+            # would just wait for the next replica) and every stream has tokens flowing.
+            deadline = time.monotonic() + 120
+            running = None
+            while not (running == STREAMS + PLAIN and started.is_set()):
+                assert time.monotonic() < deadline, (
+                    f"the requests never all ran: running={running}, "
+                    f"streaming={counter['streaming']}, outcomes so far={outcomes}")
                 await asyncio.sleep(0.1)
+                running = metric((await client.get("/metrics")).text,
+                                 "vllm:num_requests_running")
             killed_at["t"] = time.monotonic()
             os.kill(victim, signal.SIGKILL)
             _, pending = await asyncio.wait(tasks, timeout=ERROR_BOUND_S)
