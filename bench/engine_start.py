@@ -13,7 +13,8 @@ from pathlib import Path
 def measure(model_name: str, model_path: str, tp: int, max_model_len: int, card_bytes: int) -> dict:
     from vllm import SamplingParams
 
-    from spyre_serve.vllm_plugin.engine import engine_kwargs, start_llm, summarize
+    from spyre_serve.handshake.coordinator import replica_status
+    from spyre_serve.vllm_plugin.engine import engine_kwargs, start_llm
     started = time.perf_counter()
     llm = start_llm(engine_kwargs(model_path, tensor_parallel_size=tp, max_model_len=max_model_len,
                                   max_num_seqs=8, spyre={"card_memory_bytes": card_bytes}))
@@ -21,7 +22,7 @@ def measure(model_name: str, model_path: str, tp: int, max_model_len: int, card_
     t = time.perf_counter()
     llm.generate(["Hello"], SamplingParams(max_tokens=1, temperature=0.0))
     first_s = time.perf_counter() - t
-    status = summarize(llm.collective_rpc("spyre_status"))
+    status = replica_status(llm.collective_rpc("spyre_status"))
     llm.llm_engine.engine_core.shutdown()
     return {
         "model": model_name, "tp": tp, "max_model_len": max_model_len,

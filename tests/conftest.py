@@ -73,6 +73,17 @@ def ray_cluster(suite_cluster):
     os.environ.pop("RAY_ADDRESS", None)
 
 
+@pytest.fixture(scope="session")
+def serve_instance(ray_cluster):
+    """The suite's one Ray Serve (its proxy on 127.0.0.1:<free port>): every module runs its
+    apps under their own names here, so modules can run in any order next to each other."""
+    from support import ServeInstance
+    instance = ServeInstance()
+    instance.ensure()
+    yield instance
+    instance.shutdown()
+
+
 def connect_driver(address: str) -> None:
     import ray
     if ray.is_initialized():

@@ -21,14 +21,17 @@ def test_unknown_field_is_named_by_serves_own_builder_path():
 
 
 @pytest.mark.parametrize("args, named", [
-    ({"backend": "gpu"}, "backend"),
+    ({"spyre": {"backend": "gpu"}}, "spyre.backend"),
     ({"tensor_parallel_size": 0}, "tensor_parallel_size"),
-    ({"card_memory_bytes": -1}, "card_memory_bytes"),
+    ({"spyre": {"card_memory_bytes": -1}}, "card_memory_bytes"),
+    ({"backend": "cpu"}, "backend"),  # a field of `spyre:` now, not of the app
+    ({"spyre": {"startup_id": "x"}}, "spyre.startup_id is set by spyre_serve"),
     ({"engine_kwargs": {"not_a_vllm_arg": 1}}, "not_a_vllm_arg"),
     ({"engine_kwargs": {"max_model_len": 64}}, "max_model_len"),
     ({"engine_kwargs": {"distributed_executor_backend": "mp"}}, "distributed_executor_backend"),
     ({"num_replicas": 2, "autoscaling_config": {"max_replicas": 2}}, "autoscaling_config"),
-    ({"tensor_parallel_size": 2, "card_memory_bytes": [1, 2, 3]}, "card_memory_bytes"),
+    ({"tensor_parallel_size": 2, "spyre": {"card_memory_bytes": [1, 2, 3]}},
+     "spyre.card_memory_bytes lists 3 budgets"),
     ({"frontend_kwargs": {"tool_parser_nmae": "hermes"}}, "frontend_kwargs.tool_parser_nmae"),
     ({"frontend_kwargs": {"port": 9000}}, "http_options"),
     ({"frontend_kwargs": {"enable_auto_tool_choice": True, "tool_call_parser": "nope"}},
@@ -91,12 +94,13 @@ def test_builder_applies_the_options_to_the_deployment():
 
 
 def test_engine_kwargs_carry_model_names_budgets_and_pass_through():
-    args = AppArgs(model="builtin:tiny-llama", card_memory_bytes=[2**30, 2**29],
+    args = AppArgs(model="builtin:tiny-llama", spyre={"card_memory_bytes": [2**30, 2**29]},
                    tensor_parallel_size=2, engine_kwargs={"seed": 7})
     kwargs = args.engine_kwargs_for("/models/tiny")
     assert kwargs["model"] == "/models/tiny"
     assert kwargs["served_model_name"] == ["tiny-llama"]
-    assert kwargs["spyre"] == {"backend": "cpu", "card_memory_bytes": [2**30, 2**29]}
+    assert (kwargs["spyre"].backend, kwargs["spyre"].card_memory_bytes) == \
+        ("cpu", [2**30, 2**29])
     assert kwargs["seed"] == 7
     assert AppArgs(served_model_name="x").model_name == "x"
 
@@ -106,7 +110,7 @@ def test_repo_serve_config_is_valid_and_uses_the_demo_model():
     (app,) = config["applications"]
     assert app["import_path"] == "deployments.openai_app:build_app"
     args = AppArgs.model_validate(app["args"])
-    assert args.model == "builtin:smollm2-135m-instruct" and args.backend == "cpu"
+    assert args.model == "builtin:smollm2-135m-instruct" and args.spyre.backend == "cpu"
     assert config_uses_demo_model(__import__("pathlib").Path("serve_config.yaml"))
 
 

@@ -208,7 +208,7 @@ def test_load_adds_a_replica_on_a_new_spyre_node_then_scales_down(autoscaling_cl
     serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
     url = f"http://127.0.0.1:{port}"
     args = AppArgs(model=tiny_model, served_model_name="tiny", max_model_len=256,
-                   max_num_seqs=4, card_memory_bytes=256 * MiB, replica_num_cpus=0.5,
+                   max_num_seqs=4, spyre={"card_memory_bytes": 256 * MiB}, replica_num_cpus=0.5,
                    autoscaling_config={"min_replicas": 1, "max_replicas": 2,
                                        "target_ongoing_requests": 1,
                                        "upscale_delay_s": 2, "downscale_delay_s": 10,

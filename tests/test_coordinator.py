@@ -1,7 +1,8 @@
 """The block-count decision, without an engine."""
 import pytest
 
-from spyre_serve.handshake.coordinator import NotEnoughBlocks, blocks_needed, decide, report_table
+from spyre_serve.handshake.coordinator import (NotEnoughBlocks, blocks_needed, decide,
+                                              replica_status, report_table)
 
 
 def report(rank, num_blocks, device=None):
@@ -61,3 +62,25 @@ def test_a_card_with_no_room_at_all_asks_for_memory_not_a_zero_length():
     msg = str(e.value)
     assert "available on Spyre 0 is" in msg
     assert "max_model_len <=" not in msg and "give that card more memory" in msg
+
+
+def rank_status(rank, decision, blocks):
+    return {"rank": rank, "device": f"sim{rank}", "decision": decision,
+            "kv_cache_shapes": [(blocks, 2, 64, 16)]}
+
+
+def test_replica_status_is_the_decision_plus_each_ranks_view():
+    decision = decide([report(0, 90), report(1, 30)], max_model_len=256).to_dict()
+    status = replica_status([rank_status(1, decision, 30), rank_status(0, decision, 30)])
+    assert (status["num_blocks"], status["usable_blocks"], status["limiting_rank"]) == (30, 29, 1)
+    assert [r["rank"] for r in status["ranks"]] == [0, 1]
+    assert all("decision" not in r for r in status["ranks"])
+
+
+def test_replica_status_refuses_a_broadcast_that_was_not_applied():
+    decision = decide([report(0, 90), report(1, 30)], max_model_len=256).to_dict()
+    other = {**decision, "num_blocks": 90}
+    with pytest.raises(RuntimeError, match="rank 1 holds a different handshake decision"):
+        replica_status([rank_status(0, decision, 30), rank_status(1, other, 30)])
+    with pytest.raises(RuntimeError, match=r"rank 1 holds KV caches of \[90\] blocks"):
+        replica_status([rank_status(0, decision, 30), rank_status(1, decision, 90)])

@@ -13,7 +13,7 @@ import numpy as np
 import openai
 import pytest
 
-from support import MiB, free_port
+from support import MiB
 
 pytestmark = pytest.mark.slow
 
@@ -22,21 +22,20 @@ TEXTS = ["hello world", "the quick brown fox jumps over the lazy dog", "Spyre"]
 
 
 @pytest.fixture(scope="module")
-def server(ray_cluster, tiny_model):
+def server(serve_instance, tiny_model):
     from ray import serve
 
     from deployments.openai_app import build_app
     from spyre_serve.serve.app_args import AppArgs
 
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    port = serve_instance.ensure()
     args = AppArgs(model=tiny_model, served_model_name=MODEL, max_model_len=256, max_num_seqs=4,
-                   card_memory_bytes=256 * MiB, replica_num_cpus=0.5,
+                   spyre={"card_memory_bytes": 256 * MiB}, replica_num_cpus=0.5,
                    engine_kwargs={"runner": "pooling", "convert": "embed"})
     serve.run(build_app(args), name="embed-test", route_prefix="/")
     yield f"http://127.0.0.1:{port}"
-    serve.delete("embed-test")
-    serve.shutdown()
+    if serve_instance.alive():
+        serve.delete("embed-test")
 
 
 def transformers_embeddings(model_path: str, token_ids: list[list[int]]) -> np.ndarray:

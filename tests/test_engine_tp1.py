@@ -15,7 +15,8 @@ from engine_helpers import (
     token_ids,
 )
 
-from spyre_serve.vllm_plugin.engine import engine_kwargs, start_llm, summarize
+from spyre_serve.handshake.coordinator import replica_status
+from spyre_serve.vllm_plugin.engine import engine_kwargs, start_llm
 
 pytestmark = pytest.mark.slow
 
@@ -35,7 +36,7 @@ def test_tp1_greedy_equals_transformers(tp1, tiny_model):
 
 
 def test_override_wins_and_is_recorded(tp1, tiny_model):
-    status = summarize(tp1.collective_rpc("spyre_status"))
+    status = replica_status(tp1.collective_rpc("spyre_status"))
     assert status["reports"][0]["num_blocks"] > 10  # the card could hold more
     # Measured on the tensors themselves, not read back from the setting or the code:
     # 10 blocks, each of 64 tokens x K and V x every layer's KV heads x head size x fp32.

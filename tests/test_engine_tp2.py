@@ -8,7 +8,8 @@ from engine_helpers import (
     assert_nothing_compiled_since_warmup,
 )
 
-from spyre_serve.vllm_plugin.engine import engine_kwargs, start_llm, summarize
+from spyre_serve.handshake.coordinator import replica_status
+from spyre_serve.vllm_plugin.engine import engine_kwargs, start_llm
 
 pytestmark = pytest.mark.slow
 
@@ -27,7 +28,7 @@ def test_tp2_greedy_equals_transformers(tp2, tiny_model):
 
 
 def test_tp2_every_rank_resized_to_the_smallest_report(tp2):
-    status = summarize(tp2.collective_rpc("spyre_status"))
+    status = replica_status(tp2.collective_rpc("spyre_status"))
     by_rank = {r["rank"]: r for r in status["reports"]}
     assert by_rank[0]["memory_budget_bytes"] == 96 * MiB
     assert by_rank[1]["memory_budget_bytes"] == 64 * MiB

@@ -8,7 +8,7 @@ import concurrent.futures
 import httpx
 import pytest
 
-from support import MiB, free_port, wait_for
+from support import MiB, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -17,24 +17,23 @@ ROUTER = "spyre_serve.serve.kv_routing:KVCapacityRouter"
 
 
 @pytest.fixture(scope="module")
-def served(ray_cluster, tiny_model):
+def served(serve_instance, tiny_model):
     from ray import serve
 
     from deployments.openai_app import build_app
     from spyre_serve.serve.app_args import AppArgs
 
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    port = serve_instance.ensure()
     args = AppArgs(model=tiny_model, served_model_name="tiny", max_model_len=256,
-                   max_num_seqs=2, card_memory_bytes=256 * MiB, replica_num_cpus=0.5,
+                   max_num_seqs=2, spyre={"card_memory_bytes": 256 * MiB}, replica_num_cpus=0.5,
                    engine_kwargs={"num_gpu_blocks_override": 12},
                    request_router_config={"request_router_class": ROUTER,
                                           "request_router_kwargs": {"band": 0.2},
                                           "request_routing_stats_period_s": 0.2})
     serve.run(build_app(args), name=APP, route_prefix="/")
     yield f"http://127.0.0.1:{port}", serve.get_app_handle(APP)
-    serve.delete(APP)
-    serve.shutdown()
+    if serve_instance.alive():
+        serve.delete(APP)
 
 
 def test_requests_go_through_our_router(served):

@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from support import MiB, free_port, metric
+from support import MiB, metric
 
 pytestmark = pytest.mark.slow
 MODEL = "tiny-test"
@@ -18,23 +18,22 @@ BUDGETS = [256 * MiB, 160 * MiB]
 
 
 @pytest.fixture(scope="module")
-def server(ray_cluster, tiny_model):
+def server(serve_instance, tiny_model):
     from ray import serve
 
     from deployments.openai_app import build_app
     from spyre_serve.serve.app_args import AppArgs
 
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    port = serve_instance.ensure()
     args = AppArgs(model=tiny_model, served_model_name=MODEL, tensor_parallel_size=2,
-                   card_memory_bytes=BUDGETS, max_model_len=MAX_MODEL_LEN, max_num_seqs=4,
+                   spyre={"card_memory_bytes": BUDGETS}, max_model_len=MAX_MODEL_LEN, max_num_seqs=4,
                    replica_num_cpus=0.5)
     started = time.monotonic()
     serve.run(build_app(args), name="openai-test", route_prefix="/")
     print(f"serve.run -> ready: {time.monotonic() - started:.1f} s")
     yield f"http://127.0.0.1:{port}"
-    serve.delete("openai-test")
-    serve.shutdown()
+    if serve_instance.alive():
+        serve.delete("openai-test")
 
 
 @pytest.fixture(scope="module")

@@ -34,7 +34,7 @@ WEATHER = {"type": "function", "function": {
 
 
 @pytest.fixture(scope="module")
-def server(ray_cluster, tiny_model, tmp_path_factory):
+def server(serve_instance, tiny_model, tmp_path_factory):
     from ray import serve
 
     from deployments.openai_app import build_app
@@ -42,10 +42,9 @@ def server(ray_cluster, tiny_model, tmp_path_factory):
 
     key_file = tmp_path_factory.mktemp("secret") / "api_key"
     key_file.write_text(KEY + "\n")
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    port = serve_instance.ensure()
     args = AppArgs(model=tiny_model, served_model_name=MODEL, max_model_len=256, max_num_seqs=4,
-                   card_memory_bytes=256 * MiB, replica_num_cpus=0.5,
+                   spyre={"card_memory_bytes": 256 * MiB}, replica_num_cpus=0.5,
                    api_key_file=str(key_file),
                    frontend_kwargs={"enable_auto_tool_choice": True,
                                     "tool_call_parser": "pythonic"},
@@ -55,8 +54,8 @@ def server(ray_cluster, tiny_model, tmp_path_factory):
                                                             "disable_any_whitespace": True}})
     serve.run(build_app(args), name="routes-test", route_prefix="/")
     yield f"http://127.0.0.1:{port}"
-    serve.delete("routes-test")
-    serve.shutdown()
+    if serve_instance.alive():
+        serve.delete("routes-test")
 
 
 @pytest.fixture(scope="module")

@@ -93,7 +93,7 @@ class Card:
 
     @property
     def report_file(self) -> Path:
-        return report_path(self.settings.report_dir, self.device)
+        return report_path(self.settings.reports, self.device)
 
     def compile(self, fn: Callable) -> Callable:
         raise NotImplementedError

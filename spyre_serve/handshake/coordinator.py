@@ -38,6 +38,28 @@ class Decision:
         return {**asdict(self), "usable_blocks": self.usable_blocks, "block_size": BLOCK_SIZE}
 
 
+def replica_status(rank_statuses: list[dict]) -> dict:
+    """The one status of a replica's handshake, from every rank's own account of it.
+
+    Every reader (the replica's log line, `/spyre/status`, the metrics, `spyre-serve`'s
+    READY line, Python callers) reads this shape: the broadcast decision, plus each rank's
+    view. It also checks the broadcast was applied: each rank holds the same decision, and
+    its KV tensors have exactly the decided number of blocks.
+    """
+    ranks = sorted(rank_statuses, key=lambda s: s["rank"])
+    decision = ranks[0]["decision"]
+    for rank in ranks:
+        if rank["decision"] != decision:
+            raise RuntimeError(f"rank {rank['rank']} holds a different handshake decision "
+                               f"than rank 0: {rank['decision']} vs {decision}")
+        held = {shape[0] for shape in rank["kv_cache_shapes"]}
+        if held != {decision["num_blocks"]}:
+            raise RuntimeError(f"rank {rank['rank']} holds KV caches of {sorted(held)} blocks; "
+                               f"the coordinator broadcast {decision['num_blocks']}")
+    return {**decision, "ranks": [{k: v for k, v in r.items() if k != "decision"}
+                                  for r in ranks]}
+
+
 def blocks_needed(max_model_len: int) -> int:
     return math.ceil(max_model_len / BLOCK_SIZE)
 

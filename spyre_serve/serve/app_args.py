@@ -5,11 +5,12 @@ starts and the rules can be unit tested.
 """
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, field_validator, model_validator
 
 from spyre_serve.vllm_plugin.engine import RESERVED_ENGINE_KWARGS
+from spyre_serve.vllm_plugin.settings import SpyreSettings
 from spyre_serve.ops.models import BUILTIN_MODELS, BUILTIN_PREFIX, DEMO_MODEL
 
 
@@ -32,10 +33,10 @@ class AppArgs(BaseModel):
     tensor_parallel_size: PositiveInt = Field(1, description="Spyre cards per replica")
     max_model_len: PositiveInt = 2048
     max_num_seqs: PositiveInt = 8
-    backend: Literal["cpu", "sendnn"] = Field(
-        "cpu", description="cpu: simulated cards; sendnn: real cards through torch_sendnn")
-    card_memory_bytes: PositiveInt | list[PositiveInt] | None = Field(
-        None, description="Simulated card budgets: one for every card or one per TP rank")
+    spyre: SpyreSettings = Field(
+        default_factory=SpyreSettings, description="The cards: backend (cpu: simulated, "
+        "sendnn: real), card_memory_bytes (simulated budgets), ... (SpyreSettings, the same "
+        "object every rank reads from vLLM's config)")
     engine_kwargs: dict[str, Any] = Field(
         default_factory=dict, description="Passed to vLLM's AsyncEngineArgs as they are")
     frontend_kwargs: dict[str, Any] = Field(
@@ -103,6 +104,14 @@ class AppArgs(BaseModel):
                                  f"vLLM's tool-call parsers ({', '.join(sorted(known))})")
         return kwargs
 
+    @field_validator("spyre")
+    @classmethod
+    def _no_internal_settings(cls, settings: SpyreSettings) -> SpyreSettings:
+        if settings.startup_id:
+            raise ValueError("spyre.startup_id is set by spyre_serve on each engine start; "
+                             "remove it")
+        return settings
+
     @model_validator(mode="after")
     def _one_way_to_scale(self) -> "AppArgs":
         if self.api_key_file is not None and self.frontend_kwargs.get("api_key"):
@@ -110,9 +119,9 @@ class AppArgs(BaseModel):
         if self.num_replicas is not None and self.autoscaling_config is not None:
             raise ValueError("num_replicas and autoscaling_config exclude each other: "
                              "give one of them")
-        if isinstance(self.card_memory_bytes, list) and \
-                len(self.card_memory_bytes) != self.tensor_parallel_size:
-            raise ValueError(f"card_memory_bytes lists {len(self.card_memory_bytes)} budgets "
+        budgets = self.spyre.card_memory_bytes
+        if isinstance(budgets, list) and len(budgets) != self.tensor_parallel_size:
+            raise ValueError(f"spyre.card_memory_bytes lists {len(budgets)} budgets "
                              f"for tensor_parallel_size={self.tensor_parallel_size}: give one "
                              "per rank, or a single number")
         return self
@@ -123,12 +132,6 @@ class AppArgs(BaseModel):
             return self.served_model_name
         return self.model.removeprefix(BUILTIN_PREFIX)
 
-    def spyre_settings(self) -> dict[str, Any]:
-        settings: dict[str, Any] = {"backend": self.backend}
-        if self.card_memory_bytes is not None:
-            settings["card_memory_bytes"] = self.card_memory_bytes
-        return settings
-
     def engine_kwargs_for(self, model_path: str) -> dict[str, Any]:
         """Arguments for spyre_serve.vllm_plugin.engine.engine_kwargs, once the model is on this node."""
         return {
@@ -136,7 +139,7 @@ class AppArgs(BaseModel):
             "tensor_parallel_size": self.tensor_parallel_size,
             "max_model_len": self.max_model_len,
             "max_num_seqs": self.max_num_seqs,
-            "spyre": self.spyre_settings(),
+            "spyre": self.spyre,
             "served_model_name": [self.model_name],
             # The status and metrics endpoints read vLLM's scheduler stats.
             "disable_log_stats": False,

@@ -36,7 +36,8 @@ def resolve_model_once_per_node(model: str) -> str:
 @serve.ingress()
 class SpyreLLMServer:
     async def __init__(self, app_args: dict):
-        from spyre_serve.vllm_plugin.engine import engine_kwargs, start_async_engine, summarize
+        from spyre_serve.handshake.coordinator import replica_status
+        from spyre_serve.vllm_plugin.engine import engine_kwargs, start_async_engine
         from spyre_serve.serve.openai_api import build_openai_app
         from spyre_serve.serve.metrics import LatestSchedulerStats, ReplicaMetrics
 
@@ -62,7 +63,7 @@ class SpyreLLMServer:
                 f"the engine did not finish loading, warming up and sizing its KV cache within "
                 f"engine_start_timeout_s={self.args.engine_start_timeout_s}; raise it for "
                 "slow compiles") from None
-        self.handshake = summarize(await self.engine.collective_rpc("spyre_status"))
+        self.handshake = replica_status(await self.engine.collective_rpc("spyre_status"))
         self.first_request_seconds = await self._first_request()
         self.metrics = ReplicaMetrics(self.replica_id, self.args.model_name, self.kv_blocks)
         self.api = await build_openai_app(
@@ -128,9 +129,9 @@ class SpyreLLMServer:
         return routing_stats(kv["usable_blocks"], block_size, demand)
 
     async def status(self) -> dict:
-        from spyre_serve.vllm_plugin.engine import summarize
+        from spyre_serve.handshake.coordinator import replica_status
         # Asked again each time: the live KV shapes show what each card really holds.
-        live = summarize(await self.engine.collective_rpc("spyre_status"))
+        live = replica_status(await self.engine.collective_rpc("spyre_status"))
         group = ray.util.get_current_placement_group()
         return {"replica": self.replica_id, "model": self.args.model_name,
                 "placement_group": group.id.hex() if group else None,

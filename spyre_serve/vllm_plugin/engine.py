@@ -1,4 +1,4 @@
-"""vLLM engine arguments for Spyre, and the handshake status read back from the ranks."""
+"""vLLM engine arguments for Spyre, and starting an engine with them."""
 from __future__ import annotations
 
 import contextlib
@@ -75,18 +75,3 @@ def start_async_engine(kwargs: dict[str, Any], **async_llm_kwargs: Any):
     with startup_errors(kwargs):
         return AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs), **async_llm_kwargs)
 
-
-def summarize(rank_statuses: list[dict]) -> dict:
-    """One replica's handshake, from every rank's own account of it."""
-    ranks = sorted(rank_statuses, key=lambda s: s["rank"])
-    decision = ranks[0]["decision"]
-    return {
-        "num_blocks": decision["num_blocks"],
-        "usable_blocks": decision["usable_blocks"],
-        "block_size": decision["block_size"],
-        "limiting_rank": decision["limiting_rank"],
-        "override": decision["override"],
-        "max_model_len": decision["max_model_len"],
-        "reports": decision["reports"],
-        "ranks": ranks,
-    }

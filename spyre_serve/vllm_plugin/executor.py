@@ -58,7 +58,7 @@ def _startup_errors_to_file(vllm_config):
         settings = SpyreSettings.from_vllm_config(vllm_config)
         if settings.startup_id:
             cause = getattr(e, "cause", None) or e  # a RayTaskError carries the rank's exception
-            os.makedirs(settings.report_dir, exist_ok=True)
+            os.makedirs(settings.reports, exist_ok=True)
             with open(settings.startup_error_file(), "w") as f:
                 f.write(f"{type(cause).__name__}: {cause}")
         raise

@@ -6,7 +6,6 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-DEFAULT_REPORT_DIR = os.path.join(os.environ.get("TMPDIR", "/tmp"), "spyre-serve", "reports")
 DEFAULT_CARD_MEMORY_BYTES = 2 * 1024**3
 
 
@@ -18,7 +17,9 @@ class SpyreSettings(BaseModel):
     card_memory_bytes: int | list[int] = Field(
         DEFAULT_CARD_MEMORY_BYTES,
         description="Simulated card memory budget; one number for all ranks or one per TP rank")
-    report_dir: str = Field(DEFAULT_REPORT_DIR, description="Where card compilers write block reports")
+    report_dir: str = Field(
+        "", description="Where card compilers write block reports; empty: "
+        "$TMPDIR/spyre-serve/reports of the node the card is on")
     compile_kv_program: bool = Field(
         True, description="Compile the card's KV-cache program (torch.compile); off only for debugging")
 
@@ -42,8 +43,14 @@ class SpyreSettings(BaseModel):
                 f"exists: give one budget per tensor-parallel rank, or a single number")
         return self.card_memory_bytes[rank]
 
+    @property
+    def reports(self) -> str:
+        """report_dir, or the default resolved on this node (not where the config was written)."""
+        return self.report_dir or os.path.join(os.environ.get("TMPDIR", "/tmp"), "spyre-serve",
+                                               "reports")
+
     def startup_error_file(self) -> str:
-        return os.path.join(self.report_dir, f"startup-{self.startup_id}.error")
+        return os.path.join(self.reports, f"startup-{self.startup_id}.error")
 
     @classmethod
     def from_vllm_config(cls, vllm_config) -> "SpyreSettings":

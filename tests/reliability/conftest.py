@@ -11,16 +11,8 @@ import time
 
 import pytest
 
-from .helpers import (FIGURES, SHARED_BLOCKS, SHARED_MAX_NUM_SEQS, App, ServeInstance, app_args,
+from .helpers import (FIGURES, SHARED_BLOCKS, SHARED_MAX_NUM_SEQS, App, app_args,
                       app_status, delete_app, deploy, record)
-
-
-@pytest.fixture(scope="package")
-def serve_instance(ray_cluster):
-    instance = ServeInstance()
-    instance.ensure()
-    yield instance
-    instance.shutdown()
 
 
 @pytest.fixture(scope="package")

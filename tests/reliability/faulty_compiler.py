@@ -48,7 +48,7 @@ _simulated_compiler = card.SimulatedCard.publish_block_report
 
 def _publish_then_damage(self, model, max_model_len, measured):
     _simulated_compiler(self, model, max_model_len, measured)
-    spec = Path(self.settings.report_dir) / FAULTS_FILE
+    spec = Path(self.settings.reports) / FAULTS_FILE
     if spec.exists():
         changes = json.loads(spec.read_text()).get(str(self.rank))
         if changes:

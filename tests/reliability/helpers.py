@@ -13,7 +13,8 @@ import time
 from dataclasses import dataclass, field
 
 import httpx
-from support import MiB, free_port, metric, wait_for  # noqa: F401 (re-exported)
+from support import (MiB, ServeInstance, free_port, metric,  # noqa: F401 (re-exported)
+                     serve_controller_running, wait_for)
 
 MODEL = "tiny-rel"
 MAX_MODEL_LEN = 256
@@ -22,16 +23,6 @@ APP_START_TIMEOUT_S = 240
 # A simulated card with room to spare: the weights and warmup's activation peak (resident
 # memory, so it varies from run to run) take about 50 MiB of it.
 CARD = 256 * MiB
-
-
-def serve_controller_running() -> bool:
-    import ray
-    try:
-        # Serve's controller, by the name and namespace Ray Serve gives it.
-        ray.get_actor("SERVE_CONTROLLER_ACTOR", namespace="serve")
-        return True
-    except ValueError:
-        return False
 
 
 def sse_events(lines) -> list[dict]:
@@ -100,41 +91,10 @@ class App:
         return kv if quiet else None
 
 
-class ServeInstance:
-    """Ray Serve on this cluster, its proxy on 127.0.0.1:<free port>; restarted if shut down."""
-
-    def __init__(self):
-        self.port: int | None = None
-
-    def alive(self) -> bool:
-        """Serve's controller actor exists (serve.status() answers "no apps" when Serve is
-        down, so it cannot tell) and our proxy port is known."""
-        return self.port is not None and serve_controller_running()
-
-    def ensure(self) -> int:
-        from ray import serve
-        if not self.alive():
-            self.port = free_port()
-            serve.start(http_options={"host": "127.0.0.1", "port": self.port})
-        return self.port
-
-    def shutdown(self) -> None:
-        from ray import serve
-        if self.port is not None:
-            serve.shutdown()
-            self.port = None
-
-    def drain_and_shutdown(self) -> None:
-        """What `spyre-serve run` does on Ctrl-C / SIGTERM and `spyre-serve stop` does."""
-        from spyre_serve.ops.shutdown import drain_and_shutdown
-        drain_and_shutdown()
-        self.port = None
-
-
 def app_args(tiny_model: str, **overrides):
     from spyre_serve.serve.app_args import AppArgs
     args = {"model": tiny_model, "served_model_name": MODEL, "max_model_len": MAX_MODEL_LEN,
-            "max_num_seqs": 8, "replica_num_cpus": 0.5, "card_memory_bytes": CARD}
+            "max_num_seqs": 8, "replica_num_cpus": 0.5, "spyre": {"card_memory_bytes": CARD}}
     args.update(overrides)
     return AppArgs(**args)
 

@@ -35,7 +35,7 @@ RECOVERY_BOUND_S = APP_START_TIMEOUT_S + 120
 @pytest.fixture(scope="module")
 def rank_app(serve_instance, tiny_model):
     args = app_args(tiny_model, tensor_parallel_size=2, max_num_seqs=16,
-                    card_memory_bytes=[CARD, 160 * MiB],
+                    spyre={"card_memory_bytes": [CARD, 160 * MiB]},
                     health_check_period_s=1.0, health_check_timeout_s=10.0,
                     graceful_shutdown_timeout_s=5.0)
     started = time.monotonic()

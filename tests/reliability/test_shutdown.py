@@ -43,7 +43,7 @@ def args_v(tiny_model, budget_mib: int, blocks: int):
     # One sequence at a time: 4 requests in flight take a few seconds to drain, one after
     # the other. A small block override keeps the engine light on a loaded machine (and, with
     # KV programs before a433602, kept decode steps from slowing down with the cache size).
-    return app_args(tiny_model, max_num_seqs=1, card_memory_bytes=budget_mib * MiB,
+    return app_args(tiny_model, max_num_seqs=1, spyre={"card_memory_bytes": budget_mib * MiB},
                     graceful_shutdown_timeout_s=GRACEFUL_S, health_check_period_s=2.0,
                     engine_kwargs={"num_gpu_blocks_override": blocks})
 

@@ -159,7 +159,7 @@ def test_too_small_card_through_serve_fails_the_deployment_and_frees_everything(
         ray_cluster, serve_instance, tiny_model):
     name = "rel-too-small"
     # Rank 1's card is far too small; rank 0's is fine: the min rule makes rank 1 the limit.
-    args = app_args(tiny_model, tensor_parallel_size=2, card_memory_bytes=[CARD, 2 * MiB])
+    args = app_args(tiny_model, tensor_parallel_size=2, spyre={"card_memory_bytes": [CARD, 2 * MiB]})
     before = cluster_snapshot(ray_cluster)
     started = time.monotonic()
     # One attempt: Serve's default retries the constructor 3 times per replica, each a warmup.

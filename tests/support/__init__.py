@@ -98,6 +98,51 @@ def kill_processes_mentioning(marker: str, sig: int = signal.SIGKILL) -> list[in
     return pids
 
 
+def serve_controller_running() -> bool:
+    import ray
+    try:
+        # Serve's controller, by the name and namespace Ray Serve gives it.
+        ray.get_actor("SERVE_CONTROLLER_ACTOR", namespace="serve")
+        return True
+    except ValueError:
+        return False
+
+
+class ServeInstance:
+    """Ray Serve on this cluster, its proxy on 127.0.0.1:<free port>; restarted if shut down."""
+
+    def __init__(self):
+        self.port: int | None = None
+
+    def alive(self) -> bool:
+        """Serve's controller actor exists (serve.status() answers "no apps" when Serve is
+        down, so it cannot tell) and our proxy port is known."""
+        return self.port is not None and serve_controller_running()
+
+    def ensure(self) -> int:
+        from ray import serve
+        if not self.alive():
+            if serve_controller_running():
+                # A Serve whose port this instance does not know (started elsewhere): its
+                # proxy would not be where the tests look, so start over.
+                serve.shutdown()
+            self.port = free_port()
+            serve.start(http_options={"host": "127.0.0.1", "port": self.port})
+        return self.port
+
+    def shutdown(self) -> None:
+        from ray import serve
+        if self.port is not None:
+            serve.shutdown()
+            self.port = None
+
+    def drain_and_shutdown(self) -> None:
+        """What `spyre-serve run` does on Ctrl-C / SIGTERM and `spyre-serve stop` does."""
+        from spyre_serve.ops.shutdown import drain_and_shutdown
+        drain_and_shutdown()
+        self.port = None
+
+
 def newcomer_env(home: Path, ray_tmpdir: Path) -> dict[str, str]:
     """A newcomer's environment: an empty HOME, a Ray temp dir of our own, no Ray settings.
 
