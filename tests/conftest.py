@@ -34,17 +34,10 @@ def suite_cluster():
     process stops this cluster and no other Ray on the machine.
     """
     from spyre_serve.ops.cli import tool
-    from support import free_port, wait_for
+    from support import free_port, start_ray_head, wait_for
     root = Path(tempfile.mkdtemp(prefix="rt-", dir="/tmp"))  # short: Ray's socket paths
-    port = free_port()
-    head = subprocess.Popen(
-        [tool("ray"), "start", "--head", "--block", f"--port={port}", "--num-cpus=8",
-         f"--resources={{\"spyre\": {SUITE_CARDS}}}", "--include-dashboard=false",
-         "--disable-usage-stats", f"--temp-dir={root}"],
-        stdout=open(root.parent / f"{root.name}.log", "w"), stderr=subprocess.STDOUT,
-        start_new_session=True)
-    from ray.util import get_node_ip_address
-    address = f"{get_node_ip_address()}:{port}"
+    head, address = start_ray_head(root, free_port(), root.parent / f"{root.name}.log",
+                                   cards=SUITE_CARDS, num_cpus=8)
 
     def connects() -> bool:
         assert head.poll() is None, (root.parent / f"{root.name}.log").read_text()[-3000:]

@@ -15,7 +15,6 @@ import json
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -26,8 +25,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from spyre_serve.ops.cli import tool
-from support import MiB, free_port, wait_for
+from support import MiB, free_port, start_ray_head, wait_for
 
 pytestmark = pytest.mark.slow
 APP = "autoscale"
@@ -81,12 +79,9 @@ class FakeAutoscalingCluster:
                # CI runs the venv's Python unactivated: its `ray` is not on PATH.
                "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
         env.pop("RAY_ADDRESS", None)
-        self.process = subprocess.Popen(
-            [tool("ray"), "start", "--head", "--block", f"--port={self.address.rsplit(':', 1)[1]}", "--num-cpus=1",
-             f"--autoscaling-config={self.config}", f"--temp-dir={self.root / 'ray'}",
-             "--include-dashboard=false", "--disable-usage-stats"],
-            env=env, stdout=open(self.root / "head.log", "w"), stderr=subprocess.STDOUT,
-            start_new_session=True)
+        self.process, _ = start_ray_head(
+            self.root / "ray", int(self.address.rsplit(":", 1)[1]), self.root / "head.log",
+            cards=0, num_cpus=1, extra=(f"--autoscaling-config={self.config}",), env=env)
         return self.address
 
     def stop(self) -> None:

@@ -52,7 +52,7 @@ def test_block_size_is_forced_to_64(tiny_model):
 def test_sendnn_without_torch_sendnn_refuses_and_says_how_to_fix(tiny_model):
     if "torch_sendnn" in sys.modules:
         pytest.fail("torch_sendnn must not be importable in this test environment")
-    with pytest.raises(cards.BackendUnavailable, match="set backend: cpu"):
+    with pytest.raises(cards.BackendUnavailable, match="set spyre.backend: cpu"):
         cards.open_card(0, 0, SpyreSettings(backend="sendnn"))
     from vllm.engine.arg_utils import EngineArgs
     with pytest.raises(cards.BackendUnavailable, match="torch_sendnn"):

@@ -41,7 +41,7 @@ def require_backend(backend: str):
     except ImportError as e:
         raise BackendUnavailable(
             f"backend 'sendnn' needs IBM's torch_sendnn, which does not import here ({e}). "
-            "Install the Spyre software stack on this node, or set backend: cpu to run on "
+            "Install the Spyre software stack on this node, or set spyre.backend: cpu to run on "
             "simulated cards.") from None
 
 

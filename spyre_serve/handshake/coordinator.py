@@ -29,6 +29,8 @@ class Decision:
     blocks_needed: int
     override: int | None
     reports: list[dict] = field(default_factory=list)
+    # Whether the cards' compiles came from the warm-start catalog, and its key.
+    warm_start: dict = field(default_factory=dict)
 
     @property
     def usable_blocks(self) -> int:
@@ -66,13 +68,20 @@ def blocks_needed(max_model_len: int) -> int:
 
 def report_table(reports: list[dict]) -> str:
     header = f"{'rank':>4} {'device':>8} {'num_blocks':>10} {'source':>9} {'budget MiB':>10} " \
-             f"{'weights MiB':>11} {'activ. MiB':>10} {'KiB/block':>9}"
+             f"{'weights MiB':>11} {'activ. MiB':>10} {'KiB/block':>9} {'warmup s':>8}  start"
     rows = [header]
     for r in sorted(reports, key=lambda r: r["rank"]):
         rows.append(f"{r['rank']:>4} {r['device']:>8} {r['num_blocks']:>10} {r['source']:>9} "
                     f"{r['memory_budget_bytes'] / 2**20:>10.1f} {r['weights_bytes'] / 2**20:>11.1f} "
-                    f"{r['activation_peak_bytes'] / 2**20:>10.1f} {r['bytes_per_block'] / 2**10:>9.1f}")
+                    f"{r['activation_peak_bytes'] / 2**20:>10.1f} {r['bytes_per_block'] / 2**10:>9.1f} "
+                    f"{r.get('warmup_seconds', 0):>8.1f}  {_start(r)}")
     return "\n".join(rows)
+
+
+def _start(report: dict) -> str:
+    if report.get("start") == "warm":
+        return f"warm (catalog {report.get('catalog_key')})"
+    return report.get("start", "-")
 
 
 def decide(reports: list[dict], max_model_len: int, override: int | None = None) -> Decision:
@@ -108,7 +117,7 @@ def decide(reports: list[dict], max_model_len: int, override: int | None = None)
             f"blocks of {BLOCK_SIZE} tokens, one of which vLLM reserves, while max_model_len="
             f"{max_model_len} needs {need}. The estimated maximum model length that fits is "
             f"{fits}. Fix: {f'set max_model_len <= {fits}, ' if fits else ''}give that card "
-            f"more memory (card_memory_bytes for simulated cards), or use more tensor-parallel "
+            f"more memory (spyre.card_memory_bytes for simulated cards), or use more tensor-parallel "
             f"ranks.")
     decision = Decision(num_blocks=num_blocks, limiting_rank=limiting["rank"],
                         max_model_len=max_model_len, blocks_needed=need, override=override,

@@ -117,7 +117,7 @@ def announce_cards(cards: int | None) -> int:
     say(f"starting a local Ray head with {cards} {kind} Spyre card(s) "
         f"({real} found on the PCI bus), token auth {os.environ['RAY_AUTH_MODE']}")
     if kind == "real":
-        say("set `backend: sendnn` in the config's args to use them")
+        say("set `spyre: {backend: sendnn}` in the config's args to use them")
     return cards
 
 
@@ -260,7 +260,8 @@ def ready_line(api_url: str, status: dict) -> str:
     """What a person needs once the app is up: where, which model, what the cards hold."""
     return (f"READY: OpenAI API at {api_url}, model \"{status['model']}\"; KV handshake: "
             f"{status['num_blocks']} blocks of {status['block_size']} tokens per card "
-            f"({len(status['reports'])} rank(s), limited by rank {status['limiting_rank']})")
+            f"({len(status['reports'])} rank(s), limited by rank {status['limiting_rank']}); "
+            f"cards started {status.get('warm_start', {}).get('state', 'cold')}")
 
 
 def announce_when_ready(urls: list[tuple[str, str]], child: subprocess.Popen,

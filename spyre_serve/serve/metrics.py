@@ -57,9 +57,10 @@ def kv_blocks(num_blocks: int, usable_blocks: int, latest: LatestSchedulerStats)
 
 
 class SpyreKVCollector:
-    def __init__(self, replica: str, model_name: str, kv: callable):
+    def __init__(self, replica: str, model_name: str, kv: callable, warmup: dict):
         self.labels = {"replica": replica, "model_name": model_name}
         self.kv = kv
+        self.warmup = warmup
 
     def collect(self):
         kv = self.kv()
@@ -72,12 +73,25 @@ class SpyreKVCollector:
             gauge = GaugeMetricFamily(name, text, labels=list(self.labels))
             gauge.add_metric(list(self.labels.values()), kv[key])
             yield gauge
+        # Whether scale-ups pay compile time: the slowest rank's warmup, and how it started.
+        gauge = GaugeMetricFamily(
+            "spyre_warmup_seconds", "Warmup of this replica's cards (slowest rank), by start: "
+            "warm (compiles from the warm-start catalog) or cold", labels=[*self.labels, "start"])
+        gauge.add_metric([*self.labels.values(), self.warmup["start"]], self.warmup["seconds"])
+        yield gauge
+
+
+def warmup_figures(handshake: dict) -> dict:
+    """The replica's warmup for the metrics: slowest rank, and warm or cold."""
+    state = handshake.get("warm_start", {}).get("state", "cold")
+    return {"seconds": max(r.get("warmup_seconds", 0.0) for r in handshake["reports"]),
+            "start": "warm" if state.startswith("warm") else "cold"}
 
 
 class ReplicaMetrics:
-    def __init__(self, replica: str, model_name: str, kv: callable):
+    def __init__(self, replica: str, model_name: str, kv: callable, warmup: dict):
         self.spyre_registry = CollectorRegistry()
-        self.spyre_registry.register(SpyreKVCollector(replica, model_name, kv))
+        self.spyre_registry.register(SpyreKVCollector(replica, model_name, kv, warmup))
 
     def exposition(self) -> bytes:
         return generate_latest(REGISTRY) + generate_latest(self.spyre_registry)

@@ -39,7 +39,7 @@ class SpyreLLMServer:
         from spyre_serve.handshake.coordinator import replica_status
         from spyre_serve.vllm_plugin.engine import engine_kwargs, start_async_engine
         from spyre_serve.serve.openai_api import build_openai_app
-        from spyre_serve.serve.metrics import LatestSchedulerStats, ReplicaMetrics
+        from spyre_serve.serve.metrics import LatestSchedulerStats, ReplicaMetrics, warmup_figures
 
         started = time.monotonic()
         self.args = AppArgs.model_validate(app_args)
@@ -65,16 +65,18 @@ class SpyreLLMServer:
                 "slow compiles") from None
         self.handshake = replica_status(await self.engine.collective_rpc("spyre_status"))
         self.first_request_seconds = await self._first_request()
-        self.metrics = ReplicaMetrics(self.replica_id, self.args.model_name, self.kv_blocks)
+        self.metrics = ReplicaMetrics(self.replica_id, self.args.model_name, self.kv_blocks,
+                                      warmup_figures(self.handshake))
         self.api = await build_openai_app(
             self.engine, kwargs, self.args.frontend_options(), status=self.status,
             metrics=self.metrics.exposition, replica_id=self.replica_id,
             stream_batching_interval_s=self.args.stream_batching_interval_ms / 1000)
         self.ready_seconds = time.monotonic() - started
         logger.info("replica %s ready in %.1f s: %d KV blocks of %d tokens per card "
-                    "(limited by rank %d)", self.replica_id, self.ready_seconds,
-                    self.handshake["num_blocks"], self.handshake["block_size"],
-                    self.handshake["limiting_rank"])
+                    "(limited by rank %d); cards started %s", self.replica_id,
+                    self.ready_seconds, self.handshake["num_blocks"],
+                    self.handshake["block_size"], self.handshake["limiting_rank"],
+                    self.handshake["warm_start"].get("state", "cold"))
 
     async def _first_request(self) -> float:
         """One request through the serving path before Serve routes any.

@@ -68,6 +68,12 @@ def compiled_graphs() -> int:
     return counters["stats"]["unique_graphs"]
 
 
+def compile_cache_counts() -> dict[str, int]:
+    """Inductor's cache hits and misses in this process: a warm start compiles nothing."""
+    return {"hits": counters["inductor"]["fxgraph_cache_hit"],
+            "misses": counters["inductor"]["fxgraph_cache_miss"]}
+
+
 def _mark_dynamic(t: torch.Tensor, dim: int) -> None:
     # A size-1 dimension is specialised by dynamo whatever we say; warmup covers that shape.
     if t.shape[dim] > 1:

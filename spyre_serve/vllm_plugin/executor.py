@@ -6,6 +6,7 @@ ask each card's compiler, size. The handshake sits where vLLM asks for available
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import os
 
@@ -16,6 +17,7 @@ from vllm.v1.executor.ray_utils import RayWorkerWrapper
 
 from spyre_serve import get_logger, vllm_compat
 from spyre_serve.handshake.card import claim_card
+from spyre_serve.handshake import catalog
 from spyre_serve.handshake.coordinator import decide
 from spyre_serve.vllm_plugin.settings import SpyreSettings
 
@@ -84,9 +86,34 @@ class SpyreRayExecutor(RayDistributedExecutor):
         self._execute_dag(SchedulerOutput.make_empty(), None)
 
     def _block_handshake(self) -> list[int]:
-        reports = self.collective_rpc("warm_up_and_report")
+        """Warm up and report on every rank, decide, broadcast; with the warm-start catalog
+        around it: artifacts in before warmup, the fresh result out after the decision."""
+        settings = SpyreSettings.from_vllm_config(self.vllm_config)
+        world = self.parallel_config.world_size
+        client, key, fields, entry = None, "", {}, None
+        if settings.warm_start:
+            fields = catalog.key_fields(self.vllm_config, settings, world)
+            key = catalog.catalog_key(fields)
+            client = catalog.CatalogClient(settings.cache_uri)
+            entry = client.fetch(key, world)
+        artifacts = catalog.artifacts_of(entry) if entry else None
+        reports = self.collective_rpc("warm_up_and_report", args=(key, artifacts))
+        for report in reports:
+            report["catalog_key"] = key
         decision = decide(reports, self.vllm_config.model_config.max_model_len,
                           self.vllm_config.cache_config.num_gpu_blocks_override)
+        warm = {"key": key, "fields": fields, "catalog": client.where if client else None,
+                "replaced": catalog.reports_disagree(entry, reports) if entry else [],
+                "state": (f"warm (catalog {key})" if reports and
+                          all(r["start"] == "warm" for r in reports) else "cold")}
+        if warm["replaced"]:
+            logger.warning("warm-start catalog entry %s disagrees with this replica's fresh "
+                           "reports (%s): trusting the fresh reports and replacing it", key,
+                           "; ".join(warm["replaced"]))
+        if client is not None and (entry is None or warm["replaced"]):
+            client.save(key, catalog.make_entry(key, fields, reports,
+                                                self.collective_rpc("compile_artifacts")))
+        decision = dataclasses.replace(decision, warm_start=warm)
         self.collective_rpc("accept_resize", args=(decision.to_dict(),))
         # vLLM turns bytes back into blocks per rank: hand it exactly the decided count.
         return [decision.num_blocks * r["bytes_per_block"] for r in reports]

@@ -22,6 +22,16 @@ class SpyreSettings(BaseModel):
         "$TMPDIR/spyre-serve/reports of the node the card is on")
     compile_kv_program: bool = Field(
         True, description="Compile the card's KV-cache program (torch.compile); off only for debugging")
+    warm_start: bool = Field(
+        True, description="Share compiled programs and block reports through the cluster's "
+        "warm-start catalog, so the next replica with the same key compiles nothing")
+    cache_uri: str = Field(
+        "", description="A directory on shared storage (NFS, a PVC) for the warm-start "
+        "catalog; empty: a detached Ray actor holds it (no shared filesystem needed)")
+    compile_cache_dir: str = Field(
+        "", description="Where each node's card compiler keeps its programs, one folder per "
+        "warm-start key; `{node_id}` expands to the Ray node id (nodes that share a disk keep "
+        "separate caches); empty: $TMPDIR/spyre-serve/compile-cache")
 
     startup_id: str = Field(
         "", description="Set by spyre_serve per engine start: names the file a startup error goes to")

@@ -12,8 +12,10 @@ from vllm.v1.core.kv_cache_utils import (
 from vllm.v1.worker.cpu_worker import CPUWorker
 
 from spyre_serve.handshake import card as cards
+from spyre_serve.handshake import catalog
 from spyre_serve import get_logger
-from spyre_serve.vllm_plugin.attention import compiled_graphs, install_kv_program
+from spyre_serve.vllm_plugin.attention import (compile_cache_counts, compiled_graphs,
+                                               install_kv_program)
 from spyre_serve.vllm_plugin.settings import SpyreSettings
 from spyre_serve.vllm_plugin.warmup import WARMUP_BLOCKS, run_warmup, status_bytes
 
@@ -48,9 +50,31 @@ class SpyreWorker(CPUWorker):
     def _model_identity(self) -> tuple[str, int]:
         return self.model_config.model, self.model_config.max_model_len
 
-    def warm_up_and_report(self) -> dict:
-        """Warm up on a 4-block cache, let the card's compiler report, return that report."""
+    def warm_up_and_report(self, catalog_key: str = "",
+                           compile_artifacts: list[bytes | None] | None = None) -> dict:
+        """Warm up on a 4-block cache, let the card's compiler report, return that report.
+
+        With a catalog key, the card compiles into that key's cache directory on this node;
+        with `compile_artifacts` from the warm-start catalog (one per rank) that directory is
+        filled first, so warmup's compiles hit. The warmup and the report are the same as on
+        a cold start.
+        """
         started = time.time()
+        start = "cold"
+        if catalog_key and self.settings.backend == "cpu":
+            import ray
+            self.compile_cache_path = catalog.compile_cache_dir(
+                self.settings, catalog_key, ray.get_runtime_context().get_node_id())
+            # Inductor reads it whenever it looks for a program; nothing compiled before.
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = self.compile_cache_path
+            mine = compile_artifacts[self.rank] if compile_artifacts else None
+            if mine:
+                try:
+                    catalog.unpack_into(mine, self.compile_cache_path)
+                    start = "warm"
+                except Exception as e:  # noqa: BLE001 - bad artifacts mean compiling cold
+                    logger.warning("rank %d: the catalog's compiled programs did not unpack "
+                                   "(%s: %s); compiling cold", self.rank, type(e).__name__, e)
         runner = self.model_runner
         spec = runner.get_kv_cache_spec()
         if not spec:
@@ -79,9 +103,16 @@ class SpyreWorker(CPUWorker):
         report = self.card.read_block_report(model_name, max_model_len, not_before=started)
         self.warmup = {"seconds": time.time() - started, "steps": stats["steps"],
                        "kv_cache_shapes": warmup_shapes, "graphs": compiled_graphs(),
+                       "compile_cache": compile_cache_counts(),
                        "report_file": str(self.card.report_file)}
         return {**report.to_dict(), "bytes_per_block": measured.bytes_per_block,
-                "warmup_seconds": self.warmup["seconds"]}
+                "warmup_seconds": self.warmup["seconds"], "start": start}
+
+    def compile_artifacts(self) -> bytes | None:
+        """This card's compiled programs, packed for the warm-start catalog (None: nothing
+        to pack, e.g. the sendnn backend, whose compiler keeps its own cache)."""
+        path = getattr(self, "compile_cache_path", None)
+        return catalog.pack_dir(path) if path else None
 
     def accept_resize(self, decision: dict) -> None:
         self.decision = decision

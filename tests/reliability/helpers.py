@@ -8,8 +8,6 @@ own apps next to it, under their own route prefixes.
 from __future__ import annotations
 
 import json
-import socket
-import time
 from dataclasses import dataclass, field
 
 import httpx

@@ -244,8 +244,6 @@ def test_deleting_an_app_lets_in_flight_streams_finish(shared_app, ray_cluster):
              lambda: ray_cluster.available_resources().get("spyre", 0) ==
              spyre_free_before + 1, 60)
     failed = [r for r in results if "error" in r]
-    # Serve shows a deleted app as DELETING while its replica drains.
-    stopping_from = watch.deleting_from or watch.stopping_from
     # In flight when the delete was issued (what the test controls; Serve's DELETING state
     # is only seen at the watcher's polling rate, after fast streams may be done).
     in_flight_at_stop = [r for r in results if r["start"] < t0 < r.get("end", 0)]

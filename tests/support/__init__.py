@@ -143,6 +143,24 @@ class ServeInstance:
         self.port = None
 
 
+def start_ray_head(temp_dir: Path, port: int, log: Path, *, cards: int, num_cpus: int,
+                   extra: tuple[str, ...] = (), env: dict | None = None):
+    """A Ray head of a test's own: spyre-serve's `ray start` command (cli.start_command) with
+    `--block`, in its own temp dir and session, so SIGTERM to this one process stops this
+    cluster and no other Ray on the machine. Returns the process and the GCS address."""
+    import subprocess
+
+    from ray.util import get_node_ip_address
+
+    from spyre_serve.ops.cli import start_command
+    command = start_command(cards, num_cpus, port, str(temp_dir)) + [
+        "--block", "--include-dashboard=false", *extra]
+    head = subprocess.Popen(command, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    # The head binds the node IP, not 127.0.0.1.
+    return head, f"{get_node_ip_address()}:{port}"
+
+
 def newcomer_env(home: Path, ray_tmpdir: Path) -> dict[str, str]:
     """A newcomer's environment: an empty HOME, a Ray temp dir of our own, no Ray settings.
 

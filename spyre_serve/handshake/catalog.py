@@ -1,0 +1,274 @@
+"""The warm-start catalog: a card's compiled programs and block reports, shared by the cluster.
+
+On real cards warmup is compilation and takes minutes; every replica an autoscaler adds on a
+new node would pay it again. The first replica that finishes its handshake for a key stores
+what its cards compiled (PyTorch's portable compile-cache artifacts) and what they reported;
+the next replica with the same key, on any node, unpacks them before its own warmup, so the
+compiles hit. The contract does not change: it still warms up on 4 blocks, its cards
+still report, the coordinator still takes the minimum of the fresh reports.
+
+What travels for the `cpu` backend is the card's inductor cache directory (one per key), packed
+as a tar.gz. PyTorch's own portable mega-cache (`torch.compiler.save_cache_artifacts`) was
+measured first and does not help here: on CPU it carries the FX/AOT graphs but not the
+compiled C++ kernels, so a fresh node still compiled for 9.8 s of the cold 11.9 s; the packed
+directory (150 KiB) brings the first call down to 1.8 s.
+
+The store is a named, detached Ray actor (no shared filesystem needed) with a size cap, or a
+directory (`cache_uri`) for clusters that have shared storage. Written here because neither
+vLLM nor Ray Serve shares compile results across nodes.
+"""
+from __future__ import annotations
+
+import base64
+import hashlib
+import io
+import json
+import os
+import platform
+import tarfile
+import time
+from collections import OrderedDict
+from importlib import metadata
+from pathlib import Path
+
+from spyre_serve import get_logger
+
+logger = get_logger(__name__)
+
+SCHEMA = 1
+ACTOR_NAME, NAMESPACE = "spyre-serve-catalog", "spyre_serve"
+MAX_ENTRY_BYTES = 64 * 2**20
+MAX_TOTAL_BYTES = 512 * 2**20
+
+
+# ---- the key: everything that changes what a card compiles or how many blocks it holds ----
+
+def model_fingerprint(model: str) -> str:
+    """A content hash of the model's config and weights index (names, dtypes, shapes,
+    offsets of every tensor), not its path: a copy elsewhere hashes the same, a changed
+    checkpoint does not. Weight values are left out: they change no program and no size."""
+    folder = Path(model)
+    if not folder.is_dir():
+        return "name:" + model
+    digest = hashlib.sha256()
+    for name in ("config.json", "model.safetensors.index.json"):
+        if (folder / name).is_file():
+            digest.update(name.encode() + (folder / name).read_bytes())
+    for weights in sorted(folder.glob("*.safetensors")):
+        with open(weights, "rb") as f:
+            header_len = int.from_bytes(f.read(8), "little")
+            digest.update(weights.name.encode() + f.read(min(header_len, 100 * 2**20)))
+    return digest.hexdigest()[:16]
+
+
+def compiler_version(backend: str) -> str:
+    if backend == "sendnn":
+        try:
+            return "torch_sendnn " + metadata.version("torch_sendnn")
+        except metadata.PackageNotFoundError:
+            return "torch_sendnn unknown"
+    import torch
+    return "torch " + torch.__version__
+
+
+def key_fields(vllm_config, settings, world_size: int) -> dict:
+    model_config = vllm_config.model_config
+    return {
+        "model": model_fingerprint(model_config.model),
+        "tensor_parallel_size": world_size,
+        "max_model_len": model_config.max_model_len,
+        "max_num_seqs": vllm_config.scheduler_config.max_num_seqs,
+        "block_size": vllm_config.cache_config.block_size,
+        "dtype": str(model_config.dtype).removeprefix("torch."),
+        "backend": settings.backend,
+        "compiler": compiler_version(settings.backend),
+        "machine": platform.machine(),  # compiled kernels are native code
+        "spyre_serve": metadata.version("spyre_serve"),
+        # Per rank: a simulated card's budget; a real card's type is its compiler's.
+        "cards": [settings.budget_for_rank(r) if settings.backend == "cpu" else "spyre"
+                  for r in range(world_size)],
+    }
+
+
+def catalog_key(fields: dict) -> str:
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
+
+
+# ---- the compiled programs: one cache directory per key on each node ----
+
+def compile_cache_dir(settings, key: str, node_id: str) -> str:
+    """Where this node's card compiler keeps the programs of `key`."""
+    base = settings.compile_cache_dir or os.path.join(
+        os.environ.get("TMPDIR", "/tmp"), "spyre-serve", "compile-cache")
+    return os.path.join(base.replace("{node_id}", node_id), key)
+
+
+def pack_dir(path: str) -> bytes | None:
+    if not os.path.isdir(path):
+        return None
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
+        tar.add(path, arcname=".", filter=lambda info: None if "/locks" in info.name else info)
+    return buffer.getvalue()
+
+
+def unpack_into(data: bytes, path: str) -> None:
+    os.makedirs(path, exist_ok=True)
+    with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
+        tar.extractall(path, filter="data")  # no absolute paths, links out, or devices
+
+
+# ---- an entry: the key's fields, the fresh reports, each rank's compile artifacts ----
+
+def make_entry(key: str, fields: dict, reports: list[dict], artifacts: list[bytes | None]) -> dict:
+    return {"schema": SCHEMA, "key": key, "fields": fields, "created_at": time.time(),
+            "reports": [{k: r[k] for k in ("rank", "num_blocks", "bytes_per_block")}
+                        for r in reports],
+            "artifacts": [base64.b64encode(a).decode() if a else None for a in artifacts]}
+
+
+def entry_problem(entry, key: str, world_size: int) -> str | None:
+    """Why an entry cannot be used for `key`, or None. Anything odd is a reason to start cold."""
+    if not isinstance(entry, dict):
+        return f"it is a {type(entry).__name__}, not an entry"
+    if entry.get("schema") != SCHEMA or entry.get("key") != key:
+        return f"schema {entry.get('schema')!r} / key {entry.get('key')!r} do not match"
+    reports, artifacts = entry.get("reports"), entry.get("artifacts")
+    if not isinstance(reports, list) or len(reports) != world_size or \
+            not isinstance(artifacts, list) or len(artifacts) != world_size:
+        return f"it holds {len(reports or [])} reports and {len(artifacts or [])} artifact " \
+               f"sets for {world_size} ranks (a partial entry)"
+    for a in artifacts:
+        if a is not None:
+            try:
+                base64.b64decode(a, validate=True)
+            except (ValueError, TypeError):
+                return "its compile artifacts are not valid base64"
+    return None
+
+
+def artifacts_of(entry: dict) -> list[bytes | None]:
+    return [base64.b64decode(a) if a else None for a in entry["artifacts"]]
+
+
+def reports_disagree(entry: dict, reports: list[dict]) -> list[str]:
+    """Ranks whose fresh report differs from the catalog's (a changed compiler or card)."""
+    stored = {r["rank"]: r for r in entry["reports"]}
+    return [f"rank {r['rank']}: catalog {stored.get(r['rank'], {}).get('num_blocks')} blocks, "
+            f"fresh {r['num_blocks']}" for r in reports
+            if stored.get(r["rank"], {}).get("num_blocks") != r["num_blocks"]
+            or stored.get(r["rank"], {}).get("bytes_per_block") != r["bytes_per_block"]]
+
+
+def entry_bytes(entry: dict) -> int:
+    return len(json.dumps(entry))
+
+
+# ---- stores ----
+
+class MemoryStore:
+    """Entries in memory, least recently used evicted past `max_total_bytes`. What the
+    catalog actor holds; pure, so its caps are unit tested."""
+
+    def __init__(self, max_entry_bytes: int = MAX_ENTRY_BYTES,
+                 max_total_bytes: int = MAX_TOTAL_BYTES):
+        self.max_entry_bytes, self.max_total_bytes = max_entry_bytes, max_total_bytes
+        self.entries: OrderedDict[str, tuple[dict, int]] = OrderedDict()
+
+    def get(self, key: str):
+        if key not in self.entries:
+            return None
+        self.entries.move_to_end(key)
+        return self.entries[key][0]
+
+    def put(self, key: str, entry: dict) -> str:
+        size = entry_bytes(entry)
+        if size > self.max_entry_bytes:
+            return f"refused: {size} bytes exceed the {self.max_entry_bytes}-byte entry cap"
+        self.entries.pop(key, None)
+        self.entries[key] = (entry, size)
+        evicted = []
+        while sum(s for _, s in self.entries.values()) > self.max_total_bytes:
+            evicted.append(self.entries.popitem(last=False)[0])
+        return f"stored ({size} bytes)" + (f"; evicted {', '.join(evicted)}" if evicted else "")
+
+    def sizes(self) -> dict[str, int]:
+        return {k: s for k, (_, s) in self.entries.items()}
+
+
+class DirectoryStore:
+    """Entries as files under `cache_uri` (shared storage: NFS, a PVC), one per key."""
+
+    def __init__(self, root: str, max_entry_bytes: int = MAX_ENTRY_BYTES):
+        self.root, self.max_entry_bytes = Path(root), max_entry_bytes
+
+    def path(self, key: str) -> Path:
+        return self.root / f"{key}.json"
+
+    def get(self, key: str):
+        path = self.path(key)
+        if not path.exists():
+            return None
+        try:
+            return json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            return f"unreadable ({type(e).__name__}: {e})"
+
+    def put(self, key: str, entry: dict) -> str:
+        data = json.dumps(entry)
+        if len(data) > self.max_entry_bytes:
+            return f"refused: {len(data)} bytes exceed the {self.max_entry_bytes}-byte entry cap"
+        self.root.mkdir(parents=True, exist_ok=True)
+        tmp = self.path(key).with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(data)
+        os.replace(tmp, self.path(key))  # readers never see half an entry
+        return f"stored ({len(data)} bytes) in {self.path(key)}"
+
+
+def _catalog_actor():
+    """The cluster's catalog: one named, detached actor, created by the first replica."""
+    import ray
+
+    @ray.remote(num_cpus=0, max_restarts=-1)
+    class Catalog(MemoryStore):
+        pass
+
+    return Catalog.options(name=ACTOR_NAME, namespace=NAMESPACE, lifetime="detached",
+                           get_if_exists=True).remote()
+
+
+class CatalogClient:
+    """What the executor uses: fetch a usable entry (or None, saying why) and store one."""
+
+    def __init__(self, cache_uri: str = ""):
+        self.where = cache_uri or f"Ray actor {NAMESPACE}/{ACTOR_NAME}"
+        self.store = DirectoryStore(cache_uri) if cache_uri else None
+
+    def _call(self, method: str, *args):
+        if self.store is not None:
+            return getattr(self.store, method)(*args)
+        import ray
+        return ray.get(getattr(_catalog_actor(), method).remote(*args), timeout=60)
+
+    def fetch(self, key: str, world_size: int) -> dict | None:
+        try:
+            entry = self._call("get", key)
+        except Exception as e:  # noqa: BLE001 - a catalog that fails means a cold start
+            logger.warning("warm-start catalog (%s) could not be read: %s; starting cold",
+                           self.where, e)
+            return None
+        if entry is None:
+            return None
+        problem = entry_problem(entry, key, world_size)
+        if problem:
+            logger.warning("warm-start catalog entry %s in %s is ignored: %s; starting cold",
+                           key, self.where, problem)
+            return None
+        return entry
+
+    def save(self, key: str, entry: dict) -> None:
+        try:
+            outcome = self._call("put", key, entry)
+        except Exception as e:  # noqa: BLE001 - a replica serves whether or not it is stored
+            outcome = f"failed: {e}"
+        logger.info("warm-start catalog entry %s (%s): %s", key, self.where, outcome)
