@@ -192,7 +192,7 @@ class Load:
 # group" check, which on Spyre guards nothing (the driver touches no card).
 @pytest.mark.timeout(3000)
 def test_load_adds_a_replica_on_a_new_spyre_node_then_scales_down(autoscaling_cluster,
-                                                                     tiny_model):
+                                                                     tiny_model, tmp_path):
     ray = autoscaling_cluster
     from ray import serve
 
@@ -203,7 +203,11 @@ def test_load_adds_a_replica_on_a_new_spyre_node_then_scales_down(autoscaling_cl
     serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
     url = f"http://127.0.0.1:{port}"
     args = AppArgs(model=tiny_model, served_model_name="tiny", max_model_len=256,
-                   max_num_seqs=4, spyre={"card_memory_bytes": 256 * MiB}, replica_num_cpus=0.5,
+                   max_num_seqs=4, replica_num_cpus=0.5,
+                   # Fake nodes share this machine's disk: each keeps its own compile cache,
+                   # so only the warm-start catalog can make the second node warm.
+                   spyre={"card_memory_bytes": 256 * MiB,
+                          "compile_cache_dir": str(tmp_path / "compile-cache" / "{node_id}")},
                    autoscaling_config={"min_replicas": 1, "max_replicas": 2,
                                        "target_ongoing_requests": 1,
                                        "upscale_delay_s": 2, "downscale_delay_s": 10,
@@ -249,6 +253,21 @@ def test_load_adds_a_replica_on_a_new_spyre_node_then_scales_down(autoscaling_cl
         assert status["reports"][0]["memory_budget_bytes"] == 256 * MiB
         assert status["num_blocks"] == status["reports"][0]["num_blocks"]
     assert statuses[first]["placement_group"] != statuses[second]["placement_group"]
+
+    # Warm start: the first replica compiled and filled the cluster's catalog; the one on the
+    # new node loaded its programs from there and compiled nothing, then reported afresh.
+    cold, warm = statuses[first], statuses[second]
+    key = cold["warm_start"]["key"]
+    warmups = {name: (s["warm_start"]["state"], s["reports"][0]["warmup_seconds"],
+                      s["ranks"][0]["warmup"]["compile_cache"]) for name, s in
+               (("first", cold), ("second", warm))}
+    print("warmups (state, seconds, compile cache):", warmups)
+    assert cold["warm_start"]["state"] == "cold"
+    assert cold["ranks"][0]["warmup"]["compile_cache"]["misses"] > 0
+    assert warm["warm_start"]["state"] == f"warm (catalog {key})"
+    assert warm["ranks"][0]["warmup"]["compile_cache"]["misses"] == 0
+    assert warm["ranks"][0]["warmup"]["compile_cache"]["hits"] > 0
+    assert warm["reports"][0]["warmup_seconds"] < cold["reports"][0]["warmup_seconds"]
 
     load_stopped = time.monotonic()
     wait_for("Serve to scale back to one replica", lambda: running_replicas(serve) == 1

@@ -153,6 +153,11 @@ def test_metrics_expose_spyre_and_vllm_kv_figures(server):
     assert f'spyre_kv_blocks_total{{model_name="{MODEL}",replica="{replica}"}} ' \
            f'{float(status["num_blocks"])}' in text
     assert "spyre_kv_blocks_used{" in text
+    # Whether this replica's cards started warm (from the catalog) or cold, and how long.
+    start = "warm" if status["warm_start"]["state"].startswith("warm") else "cold"
+    slowest = max(r["warmup_seconds"] for r in status["reports"])
+    assert metric(text, "spyre_warmup_seconds", replica=replica, start=start) == \
+        pytest.approx(slowest)
     for vllm_metric in ("vllm:kv_cache_usage_perc", "vllm:num_preemptions_total",
                         "vllm:time_to_first_token_seconds_bucket",
                         "vllm:generation_tokens_total", "vllm:prompt_tokens_total"):

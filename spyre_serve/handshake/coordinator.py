@@ -79,9 +79,9 @@ def report_table(reports: list[dict]) -> str:
 
 
 def _start(report: dict) -> str:
-    if report.get("start") == "warm":
-        return f"warm (catalog {report.get('catalog_key')})"
-    return report.get("start", "-")
+    start = report.get("start", "-")
+    return {"warm": f"warm (catalog {report.get('catalog_key')})",
+            "local": "warm (local cache)"}.get(start, start)
 
 
 def decide(reports: list[dict], max_model_len: int, override: int | None = None) -> Decision:

@@ -66,6 +66,16 @@ def _startup_errors_to_file(vllm_config):
         raise
 
 
+def _start_state(key: str, starts: list[str]) -> str:
+    """How the replica's cards started: every compile from the catalog, from this node's own
+    cache (nothing compiled, nothing fetched), or cold (something was compiled)."""
+    if starts and all(s == "warm" for s in starts):
+        return f"warm (catalog {key})"
+    if starts and all(s in ("warm", "local") for s in starts):
+        return "warm (local cache)"
+    return "cold"
+
+
 class SpyreRayExecutor(RayDistributedExecutor):
     def _init_executor(self) -> None:
         with _startup_errors_to_file(self.vllm_config), _driver_needs_no_card():
@@ -104,8 +114,7 @@ class SpyreRayExecutor(RayDistributedExecutor):
                           self.vllm_config.cache_config.num_gpu_blocks_override)
         warm = {"key": key, "fields": fields, "catalog": client.where if client else None,
                 "replaced": catalog.reports_disagree(entry, reports) if entry else [],
-                "state": (f"warm (catalog {key})" if reports and
-                          all(r["start"] == "warm" for r in reports) else "cold")}
+                "state": _start_state(key, [r["start"] for r in reports])}
         if warm["replaced"]:
             logger.warning("warm-start catalog entry %s disagrees with this replica's fresh "
                            "reports (%s): trusting the fresh reports and replacing it", key,
