@@ -51,6 +51,7 @@ def test_a_cold_start_fills_the_catalog(first_two):
     assert entry["reports"] == [{"rank": 0, "num_blocks": status["reports"][0]["num_blocks"],
                                  "bytes_per_block": status["reports"][0]["bytes_per_block"]}]
     assert entry["artifacts"][0]  # the packed compile cache of rank 0
+    assert entry["num_blocks"] == status["num_blocks"]
 
 
 def test_the_next_start_on_a_new_node_is_warm_and_the_same(first_two):

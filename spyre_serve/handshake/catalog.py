@@ -118,10 +118,14 @@ def unpack_into(data: bytes, path: str) -> None:
         tar.extractall(path, filter="data")  # no absolute paths, links out, or devices
 
 
-# ---- an entry: the key's fields, the fresh reports, each rank's compile artifacts ----
+# ---- an entry: the key's fields, the handshake's result, each rank's compile artifacts ----
 
-def make_entry(key: str, fields: dict, reports: list[dict], artifacts: list[bytes | None]) -> dict:
+def make_entry(key: str, fields: dict, reports: list[dict], artifacts: list[bytes | None],
+               num_blocks: int | None = None) -> dict:
+    """The handshake's result (every rank's report, the block count chosen) and what each
+    rank compiled."""
     return {"schema": SCHEMA, "key": key, "fields": fields, "created_at": time.time(),
+            "num_blocks": num_blocks,
             "reports": [{k: r[k] for k in ("rank", "num_blocks", "bytes_per_block")}
                         for r in reports],
             "artifacts": [base64.b64encode(a).decode() if a else None for a in artifacts]}

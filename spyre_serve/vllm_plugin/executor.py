@@ -121,7 +121,8 @@ class SpyreRayExecutor(RayDistributedExecutor):
                            "; ".join(warm["replaced"]))
         if client is not None and (entry is None or warm["replaced"]):
             client.save(key, catalog.make_entry(key, fields, reports,
-                                                self.collective_rpc("compile_artifacts")))
+                                                self.collective_rpc("compile_artifacts"),
+                                                decision.num_blocks))
         decision = dataclasses.replace(decision, warm_start=warm)
         self.collective_rpc("accept_resize", args=(decision.to_dict(),))
         # vLLM turns bytes back into blocks per rank: hand it exactly the decided count.
