@@ -100,3 +100,10 @@ def test_a_corrupt_directory_entry_means_a_cold_start_with_a_warning(tmp_path, c
         assert client.fetch("k1", 1) is None
     assert "k1" in caplog.text and "ignored" in caplog.text and str(tmp_path) in caplog.text
     assert client.fetch("missing", 1) is None
+
+
+def test_start_state_names_where_every_compile_came_from():
+    assert catalog.start_state("k", ["warm", "warm"]) == "warm (catalog k)"
+    assert catalog.start_state("k", ["warm", "local"]) == "warm (local cache)"
+    assert catalog.start_state("k", ["warm", "cold"]) == "cold"
+    assert catalog.start_state("", []) == "cold"

@@ -276,3 +276,44 @@ class CatalogClient:
         except Exception as e:  # noqa: BLE001 - a replica serves whether or not it is stored
             outcome = f"failed: {e}"
         logger.info("warm-start catalog entry %s (%s): %s", key, self.where, outcome)
+
+
+def start_state(key: str, starts: list[str]) -> str:
+    """How a replica's cards started: every compile from the catalog, from this node's own
+    cache (nothing compiled, nothing fetched), or cold (something was compiled)."""
+    if starts and all(s == "warm" for s in starts):
+        return f"warm (catalog {key})"
+    if starts and all(s in ("warm", "local") for s in starts):
+        return "warm (local cache)"
+    return "cold"
+
+
+class WarmStart:
+    """The catalog's part in one handshake: the entry for this engine's key before warmup,
+    the fresh result stored after the decision (when missing or when the reports differ)."""
+
+    def __init__(self, vllm_config, settings, world_size: int):
+        self.world_size = world_size
+        self.key, self.fields, self.client, self.entry = "", {}, None, None
+        if settings.warm_start:
+            self.fields = key_fields(vllm_config, settings, world_size)
+            self.key = catalog_key(self.fields)
+            self.client = CatalogClient(settings.cache_uri)
+            self.entry = self.client.fetch(self.key, world_size)
+
+    def artifacts(self) -> list[bytes | None] | None:
+        return artifacts_of(self.entry) if self.entry else None
+
+    def record(self, reports: list[dict], num_blocks: int, gather_artifacts) -> dict:
+        """Store the result if the catalog lacks it or disagrees; return the status part."""
+        replaced = reports_disagree(self.entry, reports) if self.entry else []
+        if replaced:
+            logger.warning("warm-start catalog entry %s disagrees with this replica's fresh "
+                           "reports (%s): trusting the fresh reports and replacing it",
+                           self.key, "; ".join(replaced))
+        if self.client is not None and (self.entry is None or replaced):
+            self.client.save(self.key, make_entry(self.key, self.fields, reports,
+                                                  gather_artifacts(), num_blocks))
+        return {"key": self.key, "fields": self.fields, "replaced": replaced,
+                "catalog": self.client.where if self.client else None,
+                "state": start_state(self.key, [r.get("start", "cold") for r in reports])}

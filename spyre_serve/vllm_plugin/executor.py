@@ -66,16 +66,6 @@ def _startup_errors_to_file(vllm_config):
         raise
 
 
-def _start_state(key: str, starts: list[str]) -> str:
-    """How the replica's cards started: every compile from the catalog, from this node's own
-    cache (nothing compiled, nothing fetched), or cold (something was compiled)."""
-    if starts and all(s == "warm" for s in starts):
-        return f"warm (catalog {key})"
-    if starts and all(s in ("warm", "local") for s in starts):
-        return "warm (local cache)"
-    return "cold"
-
-
 class SpyreRayExecutor(RayDistributedExecutor):
     def _init_executor(self) -> None:
         with _startup_errors_to_file(self.vllm_config), _driver_needs_no_card():
@@ -96,34 +86,16 @@ class SpyreRayExecutor(RayDistributedExecutor):
         self._execute_dag(SchedulerOutput.make_empty(), None)
 
     def _block_handshake(self) -> list[int]:
-        """Warm up and report on every rank, decide, broadcast; with the warm-start catalog
-        around it: artifacts in before warmup, the fresh result out after the decision."""
-        settings = SpyreSettings.from_vllm_config(self.vllm_config)
-        world = self.parallel_config.world_size
-        client, key, fields, entry = None, "", {}, None
-        if settings.warm_start:
-            fields = catalog.key_fields(self.vllm_config, settings, world)
-            key = catalog.catalog_key(fields)
-            client = catalog.CatalogClient(settings.cache_uri)
-            entry = client.fetch(key, world)
-        artifacts = catalog.artifacts_of(entry) if entry else None
-        reports = self.collective_rpc("warm_up_and_report", args=(key, artifacts))
-        for report in reports:
-            report["catalog_key"] = key
+        """Every rank warms up and reports; the coordinator decides; the decision is
+        broadcast. The warm-start catalog brings compiled programs in before warmup and
+        keeps the fresh result after the decision."""
+        warm = catalog.WarmStart(self.vllm_config, SpyreSettings.from_vllm_config(
+            self.vllm_config), self.parallel_config.world_size)
+        reports = self.collective_rpc("warm_up_and_report", args=(warm.key, warm.artifacts()))
         decision = decide(reports, self.vllm_config.model_config.max_model_len,
                           self.vllm_config.cache_config.num_gpu_blocks_override)
-        warm = {"key": key, "fields": fields, "catalog": client.where if client else None,
-                "replaced": catalog.reports_disagree(entry, reports) if entry else [],
-                "state": _start_state(key, [r["start"] for r in reports])}
-        if warm["replaced"]:
-            logger.warning("warm-start catalog entry %s disagrees with this replica's fresh "
-                           "reports (%s): trusting the fresh reports and replacing it", key,
-                           "; ".join(warm["replaced"]))
-        if client is not None and (entry is None or warm["replaced"]):
-            client.save(key, catalog.make_entry(key, fields, reports,
-                                                self.collective_rpc("compile_artifacts"),
-                                                decision.num_blocks))
-        decision = dataclasses.replace(decision, warm_start=warm)
+        decision = dataclasses.replace(decision, warm_start=warm.record(
+            reports, decision.num_blocks, lambda: self.collective_rpc("compile_artifacts")))
         self.collective_rpc("accept_resize", args=(decision.to_dict(),))
         # vLLM turns bytes back into blocks per rank: hand it exactly the decided count.
         return [decision.num_blocks * r["bytes_per_block"] for r in reports]

@@ -110,7 +110,8 @@ class SpyreWorker(CPUWorker):
         if start == "cold" and counts["hits"] and not counts["misses"]:
             start = "local"  # this node's own compile cache already held every program
         return {**report.to_dict(), "bytes_per_block": measured.bytes_per_block,
-                "warmup_seconds": self.warmup["seconds"], "start": start}
+                "warmup_seconds": self.warmup["seconds"], "start": start,
+                "catalog_key": catalog_key}
 
     def compile_artifacts(self) -> bytes | None:
         """This card's compiled programs, packed for the warm-start catalog (None: nothing

@@ -216,6 +216,9 @@ def test_killed_rank_fails_requests_fast_and_serve_replaces_the_replica(rank_app
            unhealthy_seen=seen_unhealthy, replaced_after_s=round(replaced_s, 1),
            first_success_after_s=round(recovered_s, 1), error_samples=SAMPLES)
 
+    # README: /health answers 503 once a rank is dead (unless Serve had already replaced the
+    # replica by the first probe, which the x-spyre-replica header tells).
+    assert seen_unhealthy in ("http_503", "replaced_before_probe"), seen_unhealthy
     assert hung == 0, outcomes
     assert len(outcomes) == STREAMS + PLAIN
     # Every in-flight request failed loudly: an error event, a 5xx, or a broken connection;
