@@ -116,13 +116,24 @@ class ReplicaWatch(threading.Thread):
 
 
 @pytest.fixture(scope="module")
-def drain_app(serve_instance, tiny_model):
-    started = time.monotonic()
-    app = deploy(serve_instance, APP, args_v(tiny_model, 256, 64))
-    record("redeploy", first_replica_ready_s=round(time.monotonic() - started, 1))
-    yield app
-    if serve_instance.alive():
+def _drain_app_holder(serve_instance):
+    holder: dict = {}
+    yield holder
+    if serve_instance.alive() and app_status(APP) is not None:
         delete_app(APP)
+
+
+@pytest.fixture
+def drain_app(serve_instance, _drain_app_holder, tiny_model):
+    """The module's app, deployed again if an earlier test shut Serve down (tests run in
+    any order: the update test needs it, the Serve-shutdown test ends it)."""
+    app = _drain_app_holder.get("app")
+    if app is None or not serve_instance.alive() or app_status(APP) is None:
+        started = time.monotonic()
+        app = deploy(serve_instance, APP, args_v(tiny_model, 256, 64))
+        record("redeploy", first_replica_ready_s=round(time.monotonic() - started, 1))
+        _drain_app_holder["app"] = app
+    return app
 
 
 def test_config_update_drains_in_flight_streams(drain_app, serve_instance, tiny_model):
