@@ -27,14 +27,18 @@ pytestmark = pytest.mark.slow
 APP = "rel-rank"
 STREAMS = 6
 PLAIN = 4
-LONG_TOKENS = 200
+# Long enough that no request can finish between the scrape that shows all of them running
+# and the kill, even when the proxy delivers that scrape seconds late on a loaded machine
+# (CI: 200-token requests finished in 4 s, before a 5-s-late scrape arrived).
+MAX_LEN = 1024
+LONG_TOKENS = 900
 ERROR_BOUND_S = 90           # kill -> every in-flight request has ended
 RECOVERY_BOUND_S = APP_START_TIMEOUT_S + 120
 
 
 @pytest.fixture(scope="module")
 def rank_app(serve_instance, tiny_model):
-    args = app_args(tiny_model, tensor_parallel_size=2, max_num_seqs=16,
+    args = app_args(tiny_model, tensor_parallel_size=2, max_num_seqs=16, max_model_len=MAX_LEN,
                     spyre={"card_memory_bytes": [CARD, 160 * MiB]},
                     health_check_period_s=1.0, health_check_timeout_s=10.0,
                     graceful_shutdown_timeout_s=5.0)
