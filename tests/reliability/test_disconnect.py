@@ -102,6 +102,7 @@ def test_50_disconnects_are_aborted_and_free_their_blocks(shared_app):
     record("disconnect", disconnects=DISCONNECTS, other_streams=OTHERS, failures=len(failures),
            tokens_generated_for_hung_up=generated_by_hung_up,
            tokens_if_not_aborted=DISCONNECTS * LONG_TOKENS,
+           hung_up_but_finished=after["finished"] - before["finished"] - OTHERS,
            all_done_s=round(hung_up_s, 1), idle_after_s=round(idle_s, 1),
            used_blocks_after=kv["used_blocks"])
 
@@ -110,9 +111,16 @@ def test_50_disconnects_are_aborted_and_free_their_blocks(shared_app):
     # The other streams were not disturbed.
     assert {i: t for i, (t, _) in others.items()} == reference
     assert {f for _, f in others.values()} == {"length"}
-    # Only those 8 ran to the end; the 50 were stopped, not finished.
-    assert after["length"] - before["length"] == OTHERS
-    assert after["finished"] - before["finished"] == OTHERS
+    # The 8 ran to the end; the 50 were stopped, not finished. A few may finish first: the
+    # hang-up reaches the engine only once Serve's proxy notices it, and on 2 saturated
+    # cores a request that only started running when its client hung up can generate its
+    # 200 tokens (about 4 s) before that (a CI run: the proxy noticed 46 of 50). The bug
+    # this guards against, streams aborted only when the GC ran, is pinned exactly by
+    # test_app_args.py::test_closing_a_stream_closes_the_engine_stream_at_once; here
+    # a tenth of the 50 is the allowance.
+    finished_anyway = after["finished"] - before["finished"] - OTHERS
+    assert after["length"] - before["length"] - OTHERS == finished_anyway
+    assert 0 <= finished_anyway <= DISCONNECTS // 10, finished_anyway
     # Aborted, not run to their 200 tokens (10000 in all): a loose bound (a quarter), the
     # abort lands a variable number of decode steps after the hang-up on a busy 2-core
     # machine (measured 1400-1750 tokens in all).
