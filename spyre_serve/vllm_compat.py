@@ -77,9 +77,6 @@ ENGINE = (
          "frees the 4-block warmup cache so the decided size can be allocated"),
     Hook("vllm.v1.worker.gpu_model_runner:GPUModelRunner.get_supported_pooling_tasks",
          "a pooling model (embeddings) warms up on requests of a task its runner supports"),
-    Hook("vllm.utils.gc_utils:freeze_gc_heap",
-         "the card actor freezes its heap after warmup, as vLLM's GPU worker does, so full "
-         "collections while serving skip weights, caches and compiled programs"),
     Hook("torch._dynamo.utils:counters",
          "inductor's cache hit/miss counts show whether a warm start compiled anything"),
     Hook("vllm.v1.core.sched.scheduler:Scheduler",

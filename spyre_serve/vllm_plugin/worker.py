@@ -9,7 +9,6 @@ from vllm.v1.core.kv_cache_utils import (
     get_kv_cache_config_from_groups,
     get_kv_cache_groups,
 )
-from vllm.utils.gc_utils import freeze_gc_heap
 from vllm.v1.worker.cpu_worker import CPUWorker
 
 from spyre_serve.handshake import card as cards
@@ -118,14 +117,6 @@ class SpyreWorker(CPUWorker):
         to pack, e.g. the sendnn backend, whose compiler keeps its own cache)."""
         path = getattr(self, "compile_cache_path", None)
         return catalog.pack_dir(path) if path else None
-
-    def compile_or_warm_up_model(self):
-        times = super().compile_or_warm_up_model()
-        # As vLLM's GPU worker does after its warmup (its CPU worker does not): freeze the
-        # heap (weights, KV caches, compiled programs), so the collector's full passes during
-        # serving scan only new objects, not everything loaded at start.
-        freeze_gc_heap()
-        return times
 
     def accept_resize(self, decision: dict) -> None:
         self.decision = decision
