@@ -20,11 +20,11 @@ from spyre_serve.handshake.compiler_report import (
     report_path,
     write_report,
 )
-from spyre_serve.vllm_plugin.settings import SpyreSettings
+from spyre_serve.vllm_plugin.settings import SpyreSettings, node_scratch
 
 logger = get_logger(__name__)
 
-_CLAIM_DIR = Path(os.environ.get("TMPDIR", "/tmp")) / "spyre-serve" / "cards"
+_CLAIM_DIR = Path(node_scratch("cards"))
 _claimed: tuple[int, int] | None = None  # (card index, lock fd) of this process
 
 

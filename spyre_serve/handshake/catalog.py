@@ -2,9 +2,8 @@
 
 On real cards warmup is compilation and takes minutes; every replica an autoscaler adds on a
 new node would pay it again. The first replica that finishes its handshake for a key stores
-what its cards compiled (PyTorch's portable compile-cache artifacts) and what they reported;
-the next replica with the same key, on any node, unpacks them before its own warmup, so the
-compiles hit. The contract does not change: it still warms up on 4 blocks, its cards
+what its cards compiled and what they reported; the next replica with the same key, on any
+node, unpacks them before its own warmup, so the compiles hit. The contract does not change: it still warms up on 4 blocks, its cards
 still report, the coordinator still takes the minimum of the fresh reports.
 
 What travels for the `cpu` backend is the card's inductor cache directory (one per key), packed
@@ -98,8 +97,8 @@ def catalog_key(fields: dict) -> str:
 
 def compile_cache_dir(settings, key: str, node_id: str) -> str:
     """Where this node's card compiler keeps the programs of `key`."""
-    base = settings.compile_cache_dir or os.path.join(
-        os.environ.get("TMPDIR", "/tmp"), "spyre-serve", "compile-cache")
+    from spyre_serve.vllm_plugin.settings import node_scratch
+    base = settings.compile_cache_dir or node_scratch("compile-cache")
     return os.path.join(base.replace("{node_id}", node_id), key)
 
 
@@ -229,16 +228,21 @@ class DirectoryStore:
         return f"stored ({len(data)} bytes) in {self.path(key)}"
 
 
+_CATALOG_CLASS = None
+
+
 def _catalog_actor():
     """The cluster's catalog: one named, detached actor, created by the first replica."""
+    global _CATALOG_CLASS
     import ray
+    if _CATALOG_CLASS is None:  # one remote class per process, not one per call
+        @ray.remote(num_cpus=0, max_restarts=-1)
+        class Catalog(MemoryStore):
+            pass
 
-    @ray.remote(num_cpus=0, max_restarts=-1)
-    class Catalog(MemoryStore):
-        pass
-
-    return Catalog.options(name=ACTOR_NAME, namespace=NAMESPACE, lifetime="detached",
-                           get_if_exists=True).remote()
+        _CATALOG_CLASS = Catalog
+    return _CATALOG_CLASS.options(name=ACTOR_NAME, namespace=NAMESPACE, lifetime="detached",
+                                  get_if_exists=True).remote()
 
 
 class CatalogClient:

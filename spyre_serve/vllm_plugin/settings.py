@@ -9,6 +9,11 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 DEFAULT_CARD_MEMORY_BYTES = 2 * 1024**3
 
 
+def node_scratch(name: str) -> str:
+    """$TMPDIR/spyre-serve/<name> on this node: card locks, block reports, compile caches."""
+    return os.path.join(os.environ.get("TMPDIR", "/tmp"), "spyre-serve", name)
+
+
 class SpyreSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -56,8 +61,7 @@ class SpyreSettings(BaseModel):
     @property
     def reports(self) -> str:
         """report_dir, or the default resolved on this node (not where the config was written)."""
-        return self.report_dir or os.path.join(os.environ.get("TMPDIR", "/tmp"), "spyre-serve",
-                                               "reports")
+        return self.report_dir or node_scratch("reports")
 
     def startup_error_file(self) -> str:
         return os.path.join(self.reports, f"startup-{self.startup_id}.error")
