@@ -53,6 +53,9 @@ def kv_blocks(num_blocks: int, usable_blocks: int, latest: LatestSchedulerStats)
         "usage": usage,
         "running_requests": scheduler.num_running_reqs if scheduler else 0,
         "waiting_requests": scheduler.num_waiting_reqs if scheduler else 0,
+        # Requests vLLM preempted (blocks taken back, recomputed later) since the engine
+        # started: the sign that this replica's cards are short of KV blocks.
+        "preemptions": latest.preemptions,
     }
 
 
