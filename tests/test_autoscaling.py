@@ -157,7 +157,8 @@ def app_args(tiny_model: str, compile_cache: Path, kv_policy: bool):
     from spyre_serve.serve.app_args import AppArgs
     autoscaling = {"min_replicas": 1, "max_replicas": 2,
                    "target_ongoing_requests": TARGET_ONGOING,
-                   "upscale_delay_s": 2, "downscale_delay_s": 10, "look_back_period_s": 4,
+                   # A scale-down waits 30 s: short lulls between requests keep both.
+                   "upscale_delay_s": 2, "downscale_delay_s": 30, "look_back_period_s": 4,
                    "metrics_interval_s": 1}
     if kv_policy:
         # Half the capacity: a running request grows to about twice what it holds mid-way.
@@ -261,8 +262,9 @@ def apps(autoscaling_cluster, tiny_model, tmp_path_factory):
     assert worker_nodes(ray) == [], "the head must declare no spyre cards"
     started = time.monotonic()
     for name, kv_policy in ((KV_APP, True), (DEFAULT_APP, False)):
-        serve.run(build_app(app_args(tiny_model, cache, kv_policy)), name=name,
-                  route_prefix=f"/{name}", blocking=False)
+        # Not serve.run, which waits for each app in turn.
+        serve._run(build_app(app_args(tiny_model, cache, kv_policy)), name=name,
+                   route_prefix=f"/{name}", _blocking=False)
     wait_for("both apps' first replicas", lambda: running_replicas(serve, KV_APP) == 1
              and running_replicas(serve, DEFAULT_APP) == 1, 900, 2)
     print(f"first replicas ready {time.monotonic() - started:.1f} s after serve.run")
@@ -297,32 +299,39 @@ def test_kv_policy_scales_out_a_preempting_load_that_serves_default_policy_does_
     timeline = {}
     with Load(kv_url, CONCURRENCY) as kv_load, Load(default_url, CONCURRENCY) as default_load:
         load_started = time.monotonic()
-        wait_for("the KV policy's second replica", lambda: sample()
-                 and running_replicas(serve, KV_APP) == 2, 900, 1)
-        timeline["second_replica_ready"] = time.monotonic() - load_started
-        served = wait_for("the second replica to answer client completions", lambda: sample()
-                          and {r for r, n in kv_load.by_replica.items()
-                               if r != first_replica and n > 0}, 300, 0.5)
-        timeline["second_replica_served"] = time.monotonic() - load_started
-        (second_replica,) = served
-        # With two replicas each holds one of the long requests: no more preemptions.
-        on_two = statuses_of(kv_url, 2)
-        answered = Counter(kv_load.by_replica)
-        wait_for("each KV replica to answer 3 more completions", lambda: sample() and all(
-            kv_load.by_replica[r] - answered[r] >= 3 for r in on_two), 600, 0.5)
-        after = statuses_of(kv_url, 2)
-        default_after = status(default_url)["kv_cache"]["preemptions"]
+        try:
+            wait_for("the KV policy's second replica", lambda: sample()
+                     and running_replicas(serve, KV_APP) == 2, 900, 1)
+            timeline["second_replica_ready"] = time.monotonic() - load_started
+            on_two = statuses_of(kv_url, 2)
+            wait_for("both replicas to answer client completions", lambda: sample()
+                     and all(kv_load.by_replica[r] > 0 for r in on_two), 300, 0.5)
+            timeline["both_served"] = time.monotonic() - load_started
+            # With two replicas each holds one of the long requests: no more preemptions.
+            on_two = statuses_of(kv_url, 2)
+            answered = Counter(kv_load.by_replica)
+            wait_for("each KV replica to answer 3 more completions", lambda: sample() and all(
+                kv_load.by_replica[r] - answered[r] >= 3 for r in on_two), 600, 0.5)
+            after = statuses_of(kv_url, 2)
+            default_after = status(default_url)["kv_cache"]["preemptions"]
+        finally:
+            print("autoscale-up timeline (s since load began):", timeline)
+            print("replica states when they changed (s, KV policy, Serve's default):",
+                  [x for i, x in enumerate(samples) if i == 0 or x[1:] != samples[i - 1][1:]])
+            print("client completions per replica:", dict(kv_load.by_replica),
+                  dict(default_load.by_replica))
     assert not kv_load.failures and not default_load.failures, \
         (kv_load.failures[:3], default_load.failures[:3])
-    preempted_before = on_two[first_replica]["kv_cache"]["preemptions"]
+    assert set(after) == set(on_two), "a replica was replaced while the load ran"
+    assert first_replica in after, f"the first replica is gone: {list(after)}"
+    (second_replica,) = set(after) - {first_replica}
     preempted_on_two = {r: after[r]["kv_cache"]["preemptions"] - on_two[r]["kv_cache"]["preemptions"]
                         for r in after}
-    print("autoscale-up timeline (s since load began):", timeline)
-    print("replica states over time (s, KV policy, Serve's default):", samples[::5])
-    print(f"preemptions: KV replica alone {preempted_before}, then on two replicas "
+    print(f"preemptions: KV policy's first replica before the second served "
+          f"{on_two[first_replica]['kv_cache']['preemptions']}, then on two replicas "
           f"{preempted_on_two}; default policy {default_after - default_before} in the same time")
-    print("client completions per replica:", dict(kv_load.by_replica), dict(default_load.by_replica))
-    assert preempted_before > 0, "the load never made the single replica preempt"
+    assert on_two[first_replica]["kv_cache"]["preemptions"] > 0, \
+        "the load never made the single replica preempt"
     assert preempted_on_two == {first_replica: 0, second_replica: 0}
     # Serve's default policy, same load, same time: it preempted and never asked for more.
     assert default_after - default_before > 0

@@ -21,18 +21,20 @@ def vllm_config(model: str, **changes):
 
 
 def test_every_field_changes_the_key(tiny_model):
-    base = catalog.key_fields(vllm_config(tiny_model), SpyreSettings(), 1)
+    card = [256 * 2**20]  # one rank's simulated card budget
+    base = catalog.key_fields(vllm_config(tiny_model), SpyreSettings(), card)
     assert base["model"] == catalog.model_fingerprint(tiny_model)
     assert base["compiler"].startswith("torch ") and base["spyre_serve"]
     keys = {catalog.catalog_key(base)}
     variants = [
-        catalog.key_fields(vllm_config(tiny_model, max_model_len=512), SpyreSettings(), 1),
-        catalog.key_fields(vllm_config(tiny_model, max_num_seqs=8), SpyreSettings(), 1),
-        catalog.key_fields(vllm_config(tiny_model, block_size=128), SpyreSettings(), 1),
-        catalog.key_fields(vllm_config(tiny_model, dtype="torch.bfloat16"), SpyreSettings(), 1),
-        catalog.key_fields(vllm_config(tiny_model), SpyreSettings(card_memory_bytes=2**30), 1),
-        catalog.key_fields(vllm_config(tiny_model), SpyreSettings(), 2),
-        catalog.key_fields(vllm_config(tiny_model), SpyreSettings(backend="sendnn"), 1),
+        catalog.key_fields(vllm_config(tiny_model, max_model_len=512), SpyreSettings(), card),
+        catalog.key_fields(vllm_config(tiny_model, max_num_seqs=8), SpyreSettings(), card),
+        catalog.key_fields(vllm_config(tiny_model, block_size=128), SpyreSettings(), card),
+        catalog.key_fields(vllm_config(tiny_model, dtype="torch.bfloat16"), SpyreSettings(), card),
+        # a card of another size (a budget set by the node's label or the setting)
+        catalog.key_fields(vllm_config(tiny_model), SpyreSettings(), [2**30]),
+        catalog.key_fields(vllm_config(tiny_model), SpyreSettings(), card * 2),
+        catalog.key_fields(vllm_config(tiny_model), SpyreSettings(backend="sendnn"), ["spyre"]),
     ]
     for field in ("model", "compiler", "spyre_serve"):
         variants.append({**base, field: base[field] + "x"})

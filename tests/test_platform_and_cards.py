@@ -82,6 +82,16 @@ def test_budgets_per_rank():
         SpyreSettings(card_memory_bytes=[10, 0])
 
 
+def test_a_node_label_sets_the_budget_of_its_cards():
+    from spyre_serve.vllm_plugin.settings import CARD_MEMORY_LABEL
+    s = SpyreSettings(card_memory_bytes=[10, 20])
+    assert s.card_budget(1, {}) == 20
+    assert s.card_budget(1, {CARD_MEMORY_LABEL: "300", "other": "x"}) == 300
+    for bad in ("0", "-5", "2GiB"):
+        with pytest.raises(ValueError, match=CARD_MEMORY_LABEL):
+            s.card_budget(0, {CARD_MEMORY_LABEL: bad})
+
+
 CLAIM = """
 import sys
 from spyre_serve.handshake.card import claim_card

@@ -84,6 +84,7 @@ class Card:
     """One card, as its worker sees it: an id, a compiler, and the block report it writes."""
 
     source = "compiler"
+    identity: int | str  # what the warm-start key records of this card
 
     def __init__(self, index: int, rank: int, settings: SpyreSettings):
         self.index = index
@@ -108,14 +109,21 @@ class Card:
 
 
 class SimulatedCard(Card):
-    """A card with a memory budget, served by vLLM's CPU kernels and inductor."""
+    """A card with a memory budget, served by vLLM's CPU kernels and inductor.
+
+    The budget is the node's `spyre-serve/card-memory-bytes` label when it has one (unlike
+    cards on unlike nodes), else spyre.card_memory_bytes."""
 
     source = "simulated"
 
     def __init__(self, index: int, rank: int, settings: SpyreSettings):
         super().__init__(index, rank, settings)
         self.device = f"sim{index}"
-        self.memory_budget_bytes = settings.budget_for_rank(rank)
+        self.memory_budget_bytes = settings.card_budget(rank, _node_labels())
+
+    @property
+    def identity(self) -> int:
+        return self.memory_budget_bytes
 
     def compile(self, fn: Callable) -> Callable:
         import torch
@@ -138,6 +146,8 @@ class SimulatedCard(Card):
 class SendnnCard(Card):
     """A real card: torch_sendnn compiles, and its compiler reports the blocks it can hold."""
 
+    identity = "spyre"  # what it holds is its compiler's to say, after warmup
+
     def __init__(self, index: int, rank: int, settings: SpyreSettings, torch_sendnn):
         super().__init__(index, rank, settings)
         self.torch_sendnn = torch_sendnn
@@ -159,6 +169,11 @@ class SendnnCard(Card):
             max_model_len=max_model_len, source=self.source, created_at=time.time(),
             bytes_per_block=measured.bytes_per_block, weights_bytes=measured.weights_bytes)
         write_report(self.report_file, report)
+
+
+def _node_labels() -> dict[str, str]:
+    import ray
+    return ray.get_runtime_context().get_node_labels() if ray.is_initialized() else {}
 
 
 def open_card(index: int, rank: int, settings: SpyreSettings) -> Card:

@@ -70,11 +70,13 @@ def compiler_version(backend: str) -> str:
     return "torch " + torch.__version__
 
 
-def key_fields(vllm_config, settings, world_size: int) -> dict:
+def key_fields(vllm_config, settings, cards: list) -> dict:
+    """`cards`: each rank's card as it knows itself (a simulated card's budget, which its
+    node may set; "spyre" for a real one, whose capacity is its compiler's to report)."""
     model_config = vllm_config.model_config
     return {
         "model": model_fingerprint(model_config.model),
-        "tensor_parallel_size": world_size,
+        "tensor_parallel_size": len(cards),
         "max_model_len": model_config.max_model_len,
         "max_num_seqs": vllm_config.scheduler_config.max_num_seqs,
         "block_size": vllm_config.cache_config.block_size,
@@ -83,9 +85,7 @@ def key_fields(vllm_config, settings, world_size: int) -> dict:
         "compiler": compiler_version(settings.backend),
         "machine": platform.machine(),  # compiled kernels are native code
         "spyre_serve": metadata.version("spyre_serve"),
-        # Per rank: a simulated card's budget; a real card's type is its compiler's.
-        "cards": [settings.budget_for_rank(r) if settings.backend == "cpu" else "spyre"
-                  for r in range(world_size)],
+        "cards": list(cards),
     }
 
 
@@ -296,11 +296,12 @@ class WarmStart:
     """The catalog's part in one handshake: the entry for this engine's key before warmup,
     the fresh result stored after the decision (when missing or when the reports differ)."""
 
-    def __init__(self, vllm_config, settings, world_size: int):
+    def __init__(self, vllm_config, settings, world_size: int, cards):
+        """`cards()` asks each rank what its card is (only when the catalog is on)."""
         self.world_size = world_size
         self.key, self.fields, self.client, self.entry = "", {}, None, None
         if settings.warm_start:
-            self.fields = key_fields(vllm_config, settings, world_size)
+            self.fields = key_fields(vllm_config, settings, cards())
             self.key = catalog_key(self.fields)
             self.client = CatalogClient(settings.cache_uri)
             self.entry = self.client.fetch(self.key, world_size)

@@ -89,8 +89,9 @@ class SpyreRayExecutor(RayDistributedExecutor):
         """Every rank warms up and reports; the coordinator decides; the decision is
         broadcast. The warm-start catalog brings compiled programs in before warmup and
         keeps the fresh result after the decision."""
-        warm = catalog.WarmStart(self.vllm_config, SpyreSettings.from_vllm_config(
-            self.vllm_config), self.parallel_config.world_size)
+        warm = catalog.WarmStart(
+            self.vllm_config, SpyreSettings.from_vllm_config(self.vllm_config),
+            self.parallel_config.world_size, lambda: self.collective_rpc("card_identity"))
         reports = self.collective_rpc("warm_up_and_report", args=(warm.key, warm.artifacts()))
         decision = decide(reports, self.vllm_config.model_config.max_model_len,
                           self.vllm_config.cache_config.num_gpu_blocks_override)

@@ -7,6 +7,11 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 DEFAULT_CARD_MEMORY_BYTES = 2 * 1024**3
+# A Ray node label that sets the simulated budget of every card on that node, over
+# spyre.card_memory_bytes: a cluster of unlike cards (`ray start --labels
+# "spyre-serve/card-memory-bytes=<bytes>"`, KubeRay rayStartParams.labels, an autoscaler
+# node type's `labels`). Real cards need none: their compiler reports what they hold.
+CARD_MEMORY_LABEL = "spyre-serve/card-memory-bytes"
 
 
 def node_scratch(name: str) -> str:
@@ -57,6 +62,16 @@ class SpyreSettings(BaseModel):
                 f"card_memory_bytes lists {len(self.card_memory_bytes)} budgets but rank {rank} "
                 f"exists: give one budget per tensor-parallel rank, or a single number")
         return self.card_memory_bytes[rank]
+
+    def card_budget(self, rank: int, node_labels: dict[str, str]) -> int:
+        """The budget of this rank's simulated card: its node's label, else the setting."""
+        value = node_labels.get(CARD_MEMORY_LABEL)
+        if value is None:
+            return self.budget_for_rank(rank)
+        if not value.isdigit() or int(value) <= 0:
+            raise ValueError(f"node label {CARD_MEMORY_LABEL}={value!r}: give the card's "
+                             "memory budget as a positive number of bytes")
+        return int(value)
 
     @property
     def reports(self) -> str:

@@ -50,6 +50,9 @@ class SpyreWorker(CPUWorker):
     def _model_identity(self) -> tuple[str, int]:
         return self.model_config.model, self.model_config.max_model_len
 
+    def card_identity(self) -> int | str:
+        return self.card.identity
+
     def warm_up_and_report(self, catalog_key: str = "",
                            compile_artifacts: list[bytes | None] | None = None) -> dict:
         """Warm up on a 4-block cache, let the card's compiler report, return that report.
