@@ -1,4 +1,5 @@
 """Platform registration, block size, backends and card claims, without an engine."""
+import re
 import subprocess
 import sys
 import textwrap
@@ -8,6 +9,7 @@ import types
 import pytest
 
 from spyre_serve.handshake import card as cards
+from support import ROOT
 from spyre_serve.vllm_plugin.engine import engine_kwargs
 from spyre_serve.vllm_plugin.platform import register
 from spyre_serve.vllm_plugin.settings import SpyreSettings
@@ -90,6 +92,11 @@ def test_a_node_label_sets_the_budget_of_its_cards():
     for bad in ("0", "-5", "2GiB"):
         with pytest.raises(ValueError, match=CARD_MEMORY_LABEL):
             s.card_budget(0, {CARD_MEMORY_LABEL: bad})
+    # README's `ray start --labels=...` for it is what Ray's own parser accepts.
+    from ray._private.label_utils import parse_node_labels_string
+    flag = re.search(r"`--labels=([^`]+)`", (ROOT / "README.md").read_text()).group(1)
+    labels = parse_node_labels_string(flag)
+    assert s.card_budget(0, labels) == 512 * 2**20
 
 
 CLAIM = """

@@ -48,9 +48,16 @@ def _build_atomically(out: Path, build) -> Path:
     return out
 
 
-def tiny_llama(out: Path | None = None, max_position_embeddings: int = 1024) -> Path:
-    """A 2-layer random Llama with a 512-token byte-level BPE trained offline."""
-    out = Path(out or CACHE_DIR / f"tiny-llama-{builder_key('tiny', max_position_embeddings)}")
+def tiny_llama(out: Path | None = None, max_position_embeddings: int = 1024,
+               layers: int = 2, kv_heads: int = 2) -> Path:
+    """A random Llama (2 layers by default) with a 512-token byte-level BPE trained offline.
+
+    More layers and KV heads make each KV block larger (K and V, 64 tokens, 32 dims, 4 bytes
+    per head and layer: 64 KiB a block by default, 1 MiB with 8 layers of 8 heads), so a
+    small simulated card holds few blocks, whose count its budget decides rather than the
+    noise of measuring resident memory."""
+    out = Path(out or CACHE_DIR / "tiny-llama-{}".format(
+        builder_key("tiny", max_position_embeddings, layers, kv_heads)))
 
     def build(tmp: Path) -> None:
         import codecs
@@ -75,8 +82,10 @@ def tiny_llama(out: Path | None = None, max_position_embeddings: int = 1024) -> 
                                 "{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}")
         hf_tok.save_pretrained(tmp)
         torch.manual_seed(0)
-        cfg = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, vocab_size=len(hf_tok),
+        heads = max(4, kv_heads)
+        cfg = LlamaConfig(hidden_size=32 * heads, intermediate_size=64 * heads,
+                          num_hidden_layers=layers, num_attention_heads=heads,
+                          num_key_value_heads=kv_heads, vocab_size=len(hf_tok),
                           max_position_embeddings=max_position_embeddings,
                           bos_token_id=hf_tok.bos_token_id, eos_token_id=hf_tok.eos_token_id,
                           pad_token_id=hf_tok.pad_token_id, tie_word_embeddings=False,

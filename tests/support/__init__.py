@@ -4,6 +4,7 @@ One copy of each, so a fix lands everywhere (tests/reliability/helpers.py re-exp
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -171,3 +172,43 @@ def newcomer_env(home: Path, ray_tmpdir: Path) -> dict[str, str]:
     env.update(HOME=str(home), RAY_TMPDIR=str(ray_tmpdir), HF_HUB_OFFLINE="1",
                TRANSFORMERS_OFFLINE="1")
     return env
+
+
+@contextlib.contextmanager
+def suite_driver_set_aside():
+    """For a module that runs a Ray cluster of its own: this process's driver leaves the
+    suite's cluster (and RAY_ADDRESS is put aside) and comes back afterwards, so the
+    module runs in any order."""
+    import ray
+
+    from conftest import connect_driver
+    previous = ray.get_runtime_context().gcs_address if ray.is_initialized() else None
+    ray.shutdown()
+    saved_address = os.environ.pop("RAY_ADDRESS", None)
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+        if saved_address is not None:
+            os.environ["RAY_ADDRESS"] = saved_address
+        if previous is not None:
+            connect_driver(previous)
+
+
+def replica_status(app_url: str) -> dict | None:
+    """/spyre/status of whichever replica Serve routes this GET to; None if none answers."""
+    import httpx
+    try:
+        response = httpx.get(f"{app_url}/spyre/status", timeout=60)
+    except httpx.HTTPError:
+        return None
+    return response.json() if response.status_code == 200 else None
+
+
+def replica_statuses(app_url: str, replicas: int, timeout: float = 120) -> dict[str, dict]:
+    """The status of each of `replicas` replicas, by replica id (GETs until all answered)."""
+    seen: dict[str, dict] = {}
+    wait_for(f"the status of {replicas} replicas", lambda: seen.update(
+        {s["replica"]: s for s in [replica_status(app_url)] if s}) or len(seen) == replicas,
+        timeout, 0.2)
+    return seen
