@@ -64,7 +64,7 @@ def unlike_cards():
             from ray import serve
             port = free_port()
             serve.start(http_options={"host": "127.0.0.1", "port": port})
-            yield serve, f"http://127.0.0.1:{port}/{APP}", model
+            yield serve, f"http://127.0.0.1:{port}", model
             serve.shutdown()
         finally:
             ray.shutdown()
@@ -76,7 +76,9 @@ def unlike_cards():
             shutil.rmtree(root, ignore_errors=True)
 
 
-def deploy(serve, model: str, router: bool) -> None:
+def deploy(serve, model: str, router: bool) -> str:
+    """One app per router: a Serve handle (the proxy's too) builds its router once, so a
+    redeploy under the same name with another router class would keep the old router."""
     from deployments.openai_app import build_app
     from spyre_serve.serve.app_args import AppArgs
     router_config = {"request_router_class": ROUTER, "request_router_kwargs": {"band": 0.1},
@@ -84,7 +86,9 @@ def deploy(serve, model: str, router: bool) -> None:
     args = AppArgs(model=model, served_model_name="tiny", max_model_len=256, max_num_seqs=8,
                    num_replicas=2, replica_num_cpus=0.5, request_router_config=router_config,
                    spyre={"card_memory_bytes": 1024 * MiB})  # every node here has a label
-    serve.run(build_app(args), name=APP, route_prefix=f"/{APP}")
+    name = f"{APP}-{'kv-router' if router else 'default-router'}"
+    serve.run(build_app(args), name=name, route_prefix=f"/{name}")
+    return name
 
 
 def run_load(url: str) -> dict:
@@ -123,8 +127,9 @@ def run_load(url: str) -> dict:
             "in_flight": {r: round(b / wall, 2) for r, b in busy.items()}}
 
 
-def measured_run(serve, url: str, model: str, router: bool) -> dict:
-    deploy(serve, model, router)
+def measured_run(serve, proxy: str, model: str, router: bool) -> dict:
+    name = deploy(serve, model, router)
+    url = f"{proxy}/{name}"
     before = replica_statuses(url, 2)
     for status in before.values():
         report = status["reports"][0]
@@ -140,6 +145,7 @@ def measured_run(serve, url: str, model: str, router: bool) -> dict:
     load = run_load(url)
     after = replica_statuses(url, 2)
     assert set(after) == set(before), "a replica was replaced during the load"
+    serve.delete(name)  # frees both cards for the next run
     in_flight = {name: load["in_flight"].get(r, 0.0) for name, r in (("small", small),
                                                                      ("large", large))}
     return {"blocks": blocks, "wall_s": load["wall_s"], "in_flight": in_flight,
