@@ -137,11 +137,11 @@ def _try_connect(ray, address: str) -> bool:
 
 KV_APP, DEFAULT_APP = "kv-policy", "default-policy"
 KV_POLICY = "spyre_serve.serve.kv_autoscaling:KVCapacityPolicy"
-# Small cards: 7 KV blocks, 6 usable (384 tokens). A request of 128 prompt tokens and 120
-# generated ones holds 3 blocks at first and 4 at the end, so two on one replica need up to
-# 8 and vLLM preempts one; on two replicas each has room.
-BLOCKS, PROMPT, OUTPUT, CONCURRENCY = 7, [7] * 128, 120, 2
-# Serve's own rule sees 2 ongoing requests against a target of 8: no reason to scale.
+# Small cards: 9 KV blocks, 8 usable (512 tokens). A request of 128 prompt tokens and 120
+# generated ones holds 3 blocks at first and 4 at the end, so two fit on one replica and a
+# third makes vLLM preempt; on two replicas they fit unless a router puts all three on one.
+BLOCKS, PROMPT, OUTPUT, CONCURRENCY = 9, [7] * 128, 120, 3
+# Serve's own rule sees 3 ongoing requests against a target of 8: no reason to scale.
 TARGET_ONGOING = 8
 
 
@@ -302,7 +302,7 @@ def test_kv_policy_scales_out_a_preempting_load_that_serves_default_policy_does_
         wait_for("both replicas to answer client completions",
                  lambda: all(kv_load.by_replica[r] > 0 for r in on_two), 300, 0.5)
         timeline["both_served"] = since_load()
-        # With two replicas (and the KV router) each holds one of the long requests.
+        # On two replicas (and the KV router) no replica holds all three long requests.
         on_two = replica_statuses(kv_url, 2)
         answered = Counter(kv_load.by_replica)
         wait_for("each KV replica to answer 3 more completions", lambda: all(

@@ -81,7 +81,7 @@ def deploy(serve, model: str, router: bool) -> str:
     redeploy under the same name with another router class would keep the old router."""
     from deployments.openai_app import build_app
     from spyre_serve.serve.app_args import AppArgs
-    router_config = {"request_router_class": ROUTER, "request_router_kwargs": {"band": 0.1},
+    router_config = {"request_router_class": ROUTER,  # its default band
                      "request_routing_stats_period_s": 0.2} if router else None
     args = AppArgs(model=model, served_model_name="tiny", max_model_len=256, max_num_seqs=8,
                    num_replicas=2, replica_num_cpus=0.5, request_router_config=router_config,

@@ -54,11 +54,18 @@ def routing_stats(usable_blocks: int, block_size: int, demand_tokens: float) -> 
     return {FREE_TOKENS: float(usable_blocks * block_size - demand_tokens)}
 
 
+# The stats lag the replicas by up to a stats period plus a controller broadcast (measured:
+# with two like replicas and 0.1, a request that had just finished still counted, and the
+# next went to the busy replica). Within half the best figure Serve's queue-length probe,
+# which asks the replicas at routing time, decides; unlike cards still differ by more.
+DEFAULT_BAND = 0.5
+
+
 class KVCapacityRouter(FIFOMixin, LocalityMixin, RequestRouter):
-    """`request_router_kwargs`: `band` (default 0.1): replicas within this fraction of the
+    """`request_router_kwargs`: `band` (default 0.5): replicas within this fraction of the
     most free KV tokens share the first rank."""
 
-    def initialize_state(self, band: float = 0.1, **_: object) -> None:
+    def initialize_state(self, band: float = DEFAULT_BAND, **_: object) -> None:
         if not 0 <= band < 1:
             raise ValueError(f"request_router_kwargs.band must be in [0, 1), got {band}")
         self.band = band
@@ -73,6 +80,6 @@ class KVCapacityRouter(FIFOMixin, LocalityMixin, RequestRouter):
             r.replica_id: r for r in candidate_replicas}
         ranks = rank_by_free_kv(
             {rid: r.routing_stats.get(FREE_TOKENS) for rid, r in by_id.items()},
-            getattr(self, "band", 0.1))
+            getattr(self, "band", DEFAULT_BAND))
         return [[by_id[rid] for rid in rank] for rank in ranks]
 
