@@ -137,10 +137,10 @@ def _try_connect(ray, address: str) -> bool:
 
 KV_APP, DEFAULT_APP = "kv-policy", "default-policy"
 KV_POLICY = "spyre_serve.serve.kv_autoscaling:KVCapacityPolicy"
-# Small cards: 11 KV blocks, 10 usable (640 tokens). A request of 128 prompt tokens and 120
+# Small cards: 13 KV blocks, 12 usable (768 tokens). A request of 128 prompt tokens and 120
 # generated ones holds 3 blocks at first and 4 at the end: four on one replica need up to
-# 16 and vLLM preempts; two replicas with two each have room to spare.
-BLOCKS, PROMPT, OUTPUT, CONCURRENCY = 11, [7] * 128, 120, 4
+# 16 and vLLM preempts; on two replicas even three on one have room.
+BLOCKS, PROMPT, OUTPUT, CONCURRENCY = 13, [7] * 128, 120, 4
 # Serve's own rule sees 4 ongoing requests against a target of 8: no reason to scale.
 TARGET_ONGOING = 8
 
@@ -331,7 +331,7 @@ def test_kv_policy_scales_out_a_preempting_load_that_serves_default_policy_does_
           f"{answered_on_two}); default policy {default_after - default_before} preemptions "
           f"while the KV policy decided and 30 s more")
     assert alone["preemptions"] > 0, "the load never made the single replica preempt"
-    assert rate_on_two <= rate_alone / 3
+    assert rate_on_two <= rate_alone / 4
     # Serve's default policy, same load, same time: it preempted and never asked for more.
     assert default_after - default_before > 0
     assert {tuple(sorted(d.items())) for _, _, d in samples} == {(("RUNNING", 1),)}

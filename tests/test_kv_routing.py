@@ -1,7 +1,7 @@
 """The KV-capacity router's ranking (pure logic; the router itself runs in the Serve test)."""
 import pytest
 
-from spyre_serve.serve.kv_routing import FREE_TOKENS, rank_by_free_kv, routing_stats
+from spyre_serve.serve.kv_routing import FREE_TOKENS, near_first, rank_by_free_kv, routing_stats
 
 
 def test_most_free_kv_first_and_close_ones_share_the_first_rank():
@@ -31,3 +31,13 @@ def test_band_out_of_range_is_refused(band):
     router = KVCapacityRouter.__new__(KVCapacityRouter)
     with pytest.raises(ValueError, match="request_router_kwargs.band"):
         router.initialize_state(band=band)
+
+
+def test_nearness_orders_replicas_only_within_a_rank():
+    ranks = rank_by_free_kv({"far-big": 2000.0, "near-big": 1900.0, "near-small": 300.0},
+                            band=0.5)
+    assert ranks == [["far-big", "near-big"], ["near-small"]]
+    # The proxy beside the small card still tries the big ones first, its own among them.
+    assert near_first(ranks, {"near-big", "near-small"}) == [
+        ["near-big"], ["far-big"], ["near-small"]]
+    assert near_first(ranks, set()) == ranks
