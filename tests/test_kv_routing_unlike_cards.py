@@ -23,7 +23,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from support import MiB, free_port, replica_statuses, suite_driver_set_aside, wait_for
+from support import MiB, free_port, suite_driver_set_aside
 
 pytestmark = pytest.mark.slow
 
@@ -127,33 +127,41 @@ def run_load(url: str) -> dict:
             "in_flight": {r: round(b / wall, 2) for r, b in busy.items()}}
 
 
+def replica_figures(app: str) -> dict[str, dict]:
+    """Each replica's routing figures (free KV tokens, preemptions so far), asked of its
+    Serve replica actor the way Serve's controller asks: a status GET through the proxy
+    would be routed, and the KV router sends every one to the large card."""
+    import ray
+    prefix = f"SERVE_REPLICA::{app}#SpyreLLM#"
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+             if a["name"].startswith(prefix)]
+    return {name[len(prefix):]: ray.get(ray.get_actor(name, namespace="serve")
+                                        .record_routing_stats.remote(), timeout=60)
+            for name in names}
+
+
 def measured_run(serve, proxy: str, model: str, router: bool) -> dict:
     name = deploy(serve, model, router)
-    url = f"{proxy}/{name}"
-    before = replica_statuses(url, 2)
-    for status in before.values():
-        report = status["reports"][0]
-        overhead = report["weights_bytes"] + report["activation_peak_bytes"]
-        # The premise: each card's budget came from its node's label, and the blocks follow.
-        assert report["memory_budget_bytes"] in (SMALL_BYTES, LARGE_BYTES), report
-        assert report["bytes_per_block"] == BLOCK_BYTES, report
-        assert status["num_blocks"] == (report["memory_budget_bytes"] - overhead) // BLOCK_BYTES
-    small, large = sorted(before, key=lambda r: before[r]["num_blocks"])
-    blocks = {"small": before[small]["num_blocks"], "large": before[large]["num_blocks"]}
+    before = replica_figures(name)
+    assert len(before) == 2, before
+    # Idle, a replica's free KV tokens are its usable blocks: the node labels' budgets set
+    # them (the report's own figures are in each replica's log table).
+    small, large = sorted(before, key=lambda r: before[r]["free_kv_tokens"])
+    blocks = {"small": int(before[small]["free_kv_tokens"]) // 64 + 1,
+              "large": int(before[large]["free_kv_tokens"]) // 64 + 1}
     # One full-length request fits on the small card, three do not; the large holds many.
     assert 4 <= blocks["small"] - 1 < 12 and blocks["large"] >= 3 * blocks["small"], blocks
-    load = run_load(url)
-    after = replica_statuses(url, 2)
+    load = run_load(f"{proxy}/{name}")
+    after = replica_figures(name)
     assert set(after) == set(before), "a replica was replaced during the load"
     serve.delete(name)  # frees both cards for the next run
-    in_flight = {name: load["in_flight"].get(r, 0.0) for name, r in (("small", small),
-                                                                     ("large", large))}
+    in_flight = {label: load["in_flight"].get(r, 0.0) for label, r in (("small", small),
+                                                                      ("large", large))}
     return {"blocks": blocks, "wall_s": load["wall_s"], "in_flight": in_flight,
-            "answered": {name: load["answered"].get(r, 0) for name, r in (("small", small),
-                                                                          ("large", large))},
-            "preemptions": {name: after[r]["kv_cache"]["preemptions"]
-                            - before[r]["kv_cache"]["preemptions"]
-                            for name, r in (("small", small), ("large", large))}}
+            "answered": {label: load["answered"].get(r, 0) for label, r in (("small", small),
+                                                                            ("large", large))},
+            "preemptions": {label: int(after[r]["preemptions"] - before[r]["preemptions"])
+                            for label, r in (("small", small), ("large", large))}}
 
 
 @pytest.mark.timeout(1800)

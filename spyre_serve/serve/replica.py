@@ -128,7 +128,10 @@ class SpyreLLMServer:
         kv, block_size = self.kv_blocks(), self.handshake["block_size"]
         demand = kv_demand_tokens(kv["used_blocks"], block_size, kv["running_requests"],
                                   kv["waiting_requests"])
-        return routing_stats(kv["usable_blocks"], block_size, demand)
+        # With the preemptions so far: what a replica short of blocks shows, and for an
+        # operator (or a test) a per-replica figure that needs no routed request.
+        return {**routing_stats(kv["usable_blocks"], block_size, demand),
+                "preemptions": float(kv["preemptions"])}
 
     async def status(self) -> dict:
         from spyre_serve.handshake.coordinator import replica_status
