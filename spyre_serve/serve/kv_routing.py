@@ -6,9 +6,9 @@ two replicas with one request each can be far apart: one holds a 2000-token conv
 in most of its blocks, the other a short prompt. A new request sent to the full one waits
 or preempts while the other has room. Each replica reports its free KV tokens to Serve
 (`record_routing_stats`, every `request_routing_stats_period_s`); this router ranks the
-replicas by that figure, puts those close to the best in the first rank (the nearest of them
-first), and leaves the choice among them to Serve's own queue-length probe, so a burst between two stats updates
-still spreads by queue length instead of piling on one replica.
+replicas by that figure, puts those close to the best in the first rank (the nearest of
+them first), and leaves the choice among them to Serve's own queue-length probe, so a burst
+between two stats updates still spreads by queue length instead of piling on one replica.
 
 Ray Serve's custom request-router interface (`request_router_config.request_router_class`);
 hand-written because neither Serve nor Ray Serve LLM routes on KV capacity (Ray Serve LLM's
