@@ -331,7 +331,8 @@ def test_kv_policy_scales_out_a_preempting_load_that_serves_default_policy_does_
           f"{answered_on_two}); default policy {default_after - default_before} preemptions "
           f"while the KV policy decided and 30 s more")
     assert alone["preemptions"] > 0, "the load never made the single replica preempt"
-    # Measured 0.20 -> 0.05; not zero (see the closing note of issue 12): at least halved.
+    # Measured 0.20 -> 0.05 per completion. Not zero: now and then Serve's cached queue
+    # lengths put all four on one replica. Asserted: at least halved.
     assert rate_on_two <= rate_alone / 2
     # Serve's default policy, same load, same time: it preempted and never asked for more.
     assert default_after - default_before > 0
