@@ -31,7 +31,8 @@ import httpx
 import psutil
 import pytest
 
-from support import (MiB, free_port, replica_status, replica_statuses, start_ray_head,
+from support import (MiB, free_port, processes_in_sessions, replica_status, replica_statuses,
+                     start_ray_head,
                      suite_driver_set_aside, wait_for)
 
 pytestmark = pytest.mark.slow
@@ -121,7 +122,7 @@ def autoscaling_cluster(tiny_model):
         try:
             wait_for("the fake head to accept drivers", lambda: _try_connect(ray, address),
                      120, 2)
-            yield ray
+            yield ray, cluster.process.pid  # the head's session: every process of this cluster
         finally:
             ray.shutdown()
             cluster.stop()
@@ -231,7 +232,7 @@ class Load:
 def apps(autoscaling_cluster, tiny_model, tmp_path_factory):
     """Both apps deployed at once; each first replica can only be placed once the
     autoscaler added a spyre node for it (the head declares none)."""
-    ray = autoscaling_cluster
+    ray, session = autoscaling_cluster
     from ray import serve
 
     from deployments.openai_app import build_app
@@ -248,7 +249,7 @@ def apps(autoscaling_cluster, tiny_model, tmp_path_factory):
              and running_replicas(serve, DEFAULT_APP) == 1, 900, 2)
     print(f"first replicas ready {time.monotonic() - started:.1f} s after serve.run")
     assert len(worker_nodes(ray)) == 2
-    yield ray, serve, f"http://127.0.0.1:{port}"
+    yield ray, serve, f"http://127.0.0.1:{port}", session
     serve.shutdown()
 
 
@@ -262,7 +263,7 @@ def one_replica_each(serve) -> bool:
 # group" check, which on Spyre guards nothing (the driver touches no card).
 @pytest.mark.timeout(3000)
 def test_kv_policy_scales_out_a_preempting_load_that_serves_default_policy_does_not(apps):
-    ray, serve, url = apps
+    ray, serve, url, _ = apps
     kv_url, default_url = f"{url}/{KV_APP}", f"{url}/{DEFAULT_APP}"
     wait_for("one replica in each app", lambda: one_replica_each(serve), 600, 1)
     first = replica_statuses(kv_url, 1)
@@ -425,10 +426,14 @@ def kill_node(node_id: str) -> int:
     return len(victims)
 
 
-def process_titles(*needles: str) -> Counter:
+def process_titles(session: int, *needles: str) -> Counter:
+    """Processes of this cluster (its head's session; Ray rewrites their titles) by title."""
     counts: Counter[str] = Counter()
-    for p in psutil.process_iter(["cmdline"]):
-        line = " ".join(p.info["cmdline"] or [])
+    for pid in processes_in_sessions({session}):
+        try:
+            line = " ".join(psutil.Process(pid).cmdline())
+        except psutil.Error:
+            continue
         for needle in needles:
             if needle in line:
                 counts[needle] += 1
@@ -440,7 +445,7 @@ def test_losing_the_node_under_a_replica_while_it_streams(apps):
     """In-flight streams end with an error within a bound; Serve starts a replacement, the
     autoscaler replaces the node, the new replica redoes the handshake and serves; no card
     actor, EngineCore, placement group or card lock of the lost replica is left."""
-    ray, serve, url = apps
+    ray, serve, url, session = apps
     from spyre_serve.vllm_plugin.settings import node_scratch
     app_url = f"{url}/{DEFAULT_APP}"
     wait_for("one replica in each app", lambda: one_replica_each(serve), 600, 1)
@@ -448,8 +453,9 @@ def test_losing_the_node_under_a_replica_while_it_streams(apps):
     group = ray.util.placement_group_table()[before["placement_group"]]
     (card_bundle,) = [i for i, b in group["bundles"].items() if "spyre" in b]
     lost = group["bundles_to_node_id"][card_bundle]
-    live_before = process_titles("RayWorkerWrapper", "EngineCore")
+    live_before = process_titles(session, "RayWorkerWrapper", "EngineCore")
     print("card actor and EngineCore processes before:", dict(live_before))
+    assert live_before == {"RayWorkerWrapper": 2, "EngineCore": 2}  # one replica per app
 
     streams = [Stream(app_url, 240) for _ in range(2)]
     for s in streams:
@@ -497,7 +503,7 @@ def test_losing_the_node_under_a_replica_while_it_streams(apps):
     assert len(spyre_groups(ray, "CREATED")) == 2 and not spyre_groups(ray, "PENDING",
                                                                         "RESCHEDULING")
     wait_for("one card actor and one EngineCore per live replica", lambda: process_titles(
-        "RayWorkerWrapper", "EngineCore") == live_before, 120, 1)
+        session, "RayWorkerWrapper", "EngineCore") == live_before, 120, 1)
     locks = list((Path(node_scratch("cards")) / lost).glob("card*.lock"))
     assert locks, "the lost node's card was never claimed through its lock"
     for lock in locks:
