@@ -85,6 +85,9 @@ ENGINE = (
     Hook("vllm.platforms.cpu:CpuPlatform.get_attn_backend_cls",
          "we pick vLLM's CPU backend, then substitute our card's KV-write program",
          params=("selected_backend", "attn_selector_config")),
+    Hook("ray._common.constants:HEAD_NODE_RESOURCE_NAME",
+         "the resource only the head node has: the warm-start catalog actor asks for a sliver "
+         "of it (as Serve's controller does), so scaling a worker node down never takes it"),
     Hook("vllm.v1.attention.backends.cpu_attn:CPUAttentionBackendImpl.do_kv_cache_update",
          "the KV write the card's compiler compiles with num_blocks dynamic",
          params=("layer", "key", "value", "kv_cache", "slot_mapping")),

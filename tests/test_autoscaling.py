@@ -170,6 +170,31 @@ def app_args(tiny_model: str, compile_cache: Path, kv_policy: bool):
                    autoscaling_config=autoscaling, request_router_config=router)
 
 
+def print_cluster_state(ray) -> None:
+    """What a failed wait on the autoscaler needs: each node's resources in use, the
+    placement groups, the live actors and the autoscaler's own view."""
+    import subprocess
+    for n in ray.nodes():
+        if n["Alive"]:
+            print("node", n["NodeID"][:8], {k: v for k, v in n["Resources"].items()
+                                             if not k.startswith("node:")})
+    print("resources available:", ray.available_resources())
+    print("placement groups:", {k[:8]: (v["state"], {i: n[:8] for i, n in
+                                                     v["bundles_to_node_id"].items()})
+                                for k, v in ray.util.placement_group_table().items()})
+    try:
+        from ray.util.state import list_actors
+        print("live actors:", [(a.class_name, a.node_id[:8], a.pid) for a in
+                               list_actors(filters=[("state", "=", "ALIVE")])])
+    except Exception as e:  # noqa: BLE001 - the state API needs the dashboard
+        print("live actors unknown:", e)
+    status = subprocess.run([str(Path(sys.executable).parent / "ray"), "status", "-v",
+                             f"--address={ray.get_runtime_context().gcs_address}"],
+                            capture_output=True, text=True, timeout=60,
+                            env={**os.environ, "RAY_AUTH_MODE": "disabled"})
+    print("ray status -v:", status.stdout[-4000:], status.stderr[-2000:])
+
+
 def worker_nodes(ray) -> list[str]:
     return [n["NodeID"] for n in ray.nodes()
             if n["Alive"] and n["Resources"].get("spyre", 0) > 0]
@@ -364,8 +389,12 @@ def test_kv_policy_scales_out_a_preempting_load_that_serves_default_policy_does_
     wait_for("the KV policy to scale back to one replica",
              lambda: replica_states(serve, KV_APP) == {"RUNNING": 1}, 300, 1)
     down["one_replica"] = time.monotonic() - load_stopped
-    wait_for("the autoscaler to remove the idle node", lambda: len(worker_nodes(ray)) == 2,
-             300, 1)
+    try:
+        wait_for("the autoscaler to remove the idle node", lambda: len(worker_nodes(ray)) == 2,
+                 300, 1)
+    except AssertionError:
+        print_cluster_state(ray)
+        raise
     down["idle_node_removed"] = time.monotonic() - load_stopped
     print("scale-down timeline (s since load stopped):", down)
     response = httpx.post(f"{kv_url}/v1/completions", timeout=120, json={
@@ -418,12 +447,14 @@ def kill_node(node_id: str) -> int:
                if f"--node_id={node_id}" in (p.info["cmdline"] or [])]
     assert len(raylets) == 1, f"expected one raylet for node {node_id}, found {raylets}"
     victims = raylets + raylets[0].children(recursive=True)
+    titles = []
     for p in victims:
         try:
+            titles.append(" ".join(p.cmdline())[:40])
             p.kill()
-        except psutil.NoSuchProcess:
+        except psutil.Error:
             pass
-    return len(victims)
+    return titles
 
 
 def process_titles(session: int, *needles: str) -> Counter:
@@ -463,13 +494,16 @@ def test_losing_the_node_under_a_replica_while_it_streams(apps):
     assert all(s.ended_at is None for s in streams), [(s.tokens, s.error) for s in streams]
     killed_at, killed_wall = time.monotonic(), time.time()
     killed = kill_node(lost)
+    at_kill = [s.tokens for s in streams]
     for s in streams:
         s.thread.join(120)
     outcomes = [(s.tokens, s.finish_reason, s.error,
                  None if s.ended_at is None else round(s.ended_at - killed_at, 1))
                 for s in streams]
-    print(f"killed {killed} processes of node {lost}; streams (tokens, finish, error, "
-          f"ended s after kill): {outcomes}")
+    print(f"killed {len(killed)} processes of node {lost}: {killed}; tokens at the kill "
+          f"{at_kill}; streams (tokens, finish, error, ended s after kill): {outcomes}")
+    # The node under the replica: its card actor died with it.
+    assert any("RayWorkerWrapper" in t for t in killed), killed
     # Every in-flight stream ended, within the bound, and none passed for complete.
     assert all(s.ended_at is not None for s in streams), outcomes
     assert all(s.finish_reason is None and s.tokens < 240 for s in streams), outcomes

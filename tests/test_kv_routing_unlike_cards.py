@@ -52,10 +52,15 @@ def unlike_cards():
     model = str(tiny_llama(layers=8, kv_heads=8))
     with suite_driver_set_aside() as ray:
         root = Path(tempfile.mkdtemp(prefix="uc-", dir="/tmp"))  # short: Ray's socket paths
-        saved_auth = os.environ.get("RAY_AUTH_MODE")
+        (root / "ray").mkdir()
+        saved = {k: os.environ.get(k) for k in ("RAY_AUTH_MODE", "RAY_TMPDIR")}
         os.environ["RAY_AUTH_MODE"] = "disabled"  # as spyre-serve's own `ray start` does
+        # Cluster writes its address to <Ray's default temp dir>/ray_current_cluster; here
+        # that is this module's dir, which exists (a fresh $TMPDIR has no ray/ in it), and no
+        # other cluster on the machine is pointed at this one.
+        os.environ["RAY_TMPDIR"] = str(root)
         cluster = Cluster(initialize_head=True, head_node_args={
-            "num_cpus": 1, "temp_dir": str(root), "include_dashboard": False})
+            "num_cpus": 1, "temp_dir": str(root / "ray"), "include_dashboard": False})
         try:
             for budget in (SMALL_BYTES, LARGE_BYTES):
                 cluster.add_node(num_cpus=1, resources={"spyre": 1},
@@ -69,10 +74,11 @@ def unlike_cards():
         finally:
             ray.shutdown()
             cluster.shutdown()
-            if saved_auth is None:
-                os.environ.pop("RAY_AUTH_MODE", None)
-            else:
-                os.environ["RAY_AUTH_MODE"] = saved_auth
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
             shutil.rmtree(root, ignore_errors=True)
 
 

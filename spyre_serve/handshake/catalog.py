@@ -31,6 +31,7 @@ from importlib import metadata
 from pathlib import Path
 
 from spyre_serve import get_logger
+from spyre_serve.vllm_compat import hook
 
 logger = get_logger(__name__)
 
@@ -241,8 +242,12 @@ def _catalog_actor():
             pass
 
         _CATALOG_CLASS = Catalog
+    # On the head node, which the autoscaler never removes: on a worker node the catalog
+    # would die (and restart empty) with the first idle node scaled down, and its being
+    # there would keep that node from counting as idle.
+    head = hook("ray._common.constants:HEAD_NODE_RESOURCE_NAME")
     return _CATALOG_CLASS.options(name=ACTOR_NAME, namespace=NAMESPACE, lifetime="detached",
-                                  get_if_exists=True).remote()
+                                  get_if_exists=True, resources={head: 0.001}).remote()
 
 
 class CatalogClient:
