@@ -31,7 +31,7 @@ import httpx
 import psutil
 import pytest
 
-from support import (MiB, free_port, processes_in_sessions, replica_status, replica_statuses,
+from support import (MiB, free_port, replica_status, replica_statuses,
                      start_ray_head,
                      suite_driver_set_aside, wait_for)
 
@@ -122,7 +122,7 @@ def autoscaling_cluster(tiny_model):
         try:
             wait_for("the fake head to accept drivers", lambda: _try_connect(ray, address),
                      120, 2)
-            yield ray, cluster.process.pid  # the head's session: every process of this cluster
+            yield ray, str(root / "ray")  # on the command line of each of its raylets
         finally:
             ray.shutdown()
             cluster.stop()
@@ -144,6 +144,8 @@ KV_POLICY = "spyre_serve.serve.kv_autoscaling:KVCapacityPolicy"
 BLOCKS, PROMPT, OUTPUT, CONCURRENCY = 13, [7] * 128, 120, 4
 # Serve's own rule sees 4 ongoing requests against a target of 8: no reason to scale.
 TARGET_ONGOING = 8
+# How long Serve's default policy gets the load (its KV-policy twin asked in 25-38 s).
+DEFAULT_LOAD_S = 45
 
 
 def app_args(tiny_model: str, compile_cache: Path, kv_policy: bool):
@@ -193,6 +195,17 @@ def print_cluster_state(ray) -> None:
                             capture_output=True, text=True, timeout=60,
                             env={**os.environ, "RAY_AUTH_MODE": "disabled"})
     print("ray status -v:", status.stdout[-4000:], status.stderr[-2000:])
+
+
+def print_replica_deaths(app_name: str) -> None:
+    """Why a replica of the app is gone, as Ray's state API recorded it."""
+    try:
+        from ray.util.state import list_actors
+        for a in list_actors(filters=[("class_name", "=", f"ServeReplica:{app_name}:SpyreLLM")],
+                             detail=True):
+            print("replica actor", a.name, a.state, a.node_id[:8], a.death_cause)
+    except Exception as e:  # noqa: BLE001 - the state API needs the dashboard
+        print("replica deaths unknown:", e)
 
 
 def worker_nodes(ray) -> list[str]:
@@ -257,7 +270,7 @@ class Load:
 def apps(autoscaling_cluster, tiny_model, tmp_path_factory):
     """Both apps deployed at once; each first replica can only be placed once the
     autoscaler added a spyre node for it (the head declares none)."""
-    ray, session = autoscaling_cluster
+    ray, marker = autoscaling_cluster
     from ray import serve
 
     from deployments.openai_app import build_app
@@ -274,7 +287,7 @@ def apps(autoscaling_cluster, tiny_model, tmp_path_factory):
              and running_replicas(serve, DEFAULT_APP) == 1, 900, 2)
     print(f"first replicas ready {time.monotonic() - started:.1f} s after serve.run")
     assert len(worker_nodes(ray)) == 2
-    yield ray, serve, f"http://127.0.0.1:{port}", session
+    yield ray, serve, f"http://127.0.0.1:{port}", marker
     serve.shutdown()
 
 
@@ -304,25 +317,32 @@ def test_kv_policy_scales_out_a_preempting_load_that_serves_default_policy_does_
     def since_load() -> float:
         return round(time.monotonic() - load_started, 1)
 
+    # Serve's default policy first, alone: the load for DEFAULT_LOAD_S (over 20 times
+    # Serve's upscale delay, longer than the KV policy took to ask for a replica in every
+    # run), during which it preempts and asks for nothing. One app's load at a time: two
+    # at once on 2 cores made the KV app's new replica take 2 minutes to start.
+    load_started = time.monotonic()
+    default_load = Load(default_url, CONCURRENCY).start()
+    try:
+        wait_for(f"{DEFAULT_LOAD_S} s of the load on Serve's default policy", lambda: sample()
+                 and since_load() > DEFAULT_LOAD_S, DEFAULT_LOAD_S + 60, 1)
+    finally:
+        default_load.stop()
+    default_after = replica_status(default_url)["kv_cache"]["preemptions"]
+
     timeline = {}
     load_started = time.monotonic()
-    kv_load, default_load = Load(kv_url, CONCURRENCY).start(), Load(default_url, CONCURRENCY).start()
+    kv_load = Load(kv_url, CONCURRENCY).start()
     try:
-        # The same load on both apps, watched until the KV policy asks for a second replica
-        # and for 30 s (15 times Serve's upscale delay) more; then the default app's load
-        # stops, so the new replica starts on cores the other app no longer takes.
         wait_for("the KV policy to ask for a second replica", lambda: sample()
                  and sum(replica_states(serve, KV_APP).values()) == 2, 600, 1)
         timeline["kv_policy_asked"] = since_load()
-        wait_for("30 s more of the load on both apps", lambda: sample()
-                 and since_load() > timeline["kv_policy_asked"] + 30, 120, 1)
-        default_after = replica_status(default_url)["kv_cache"]["preemptions"]
-        default_load.stop()
-        timeline["default_load_stopped"] = since_load()
         wait_for("the KV policy's second replica", lambda: sample()
                  and running_replicas(serve, KV_APP) == 2, 900, 1)
         timeline["second_replica_ready"] = since_load()
         on_two = replica_statuses(kv_url, 2)
+        if first_replica not in on_two:
+            print_replica_deaths(KV_APP)
         alone = {"preemptions": on_two[first_replica]["kv_cache"]["preemptions"],
                  "answered": kv_load.by_replica[first_replica]}
         wait_for("both replicas to answer client completions",
@@ -337,10 +357,10 @@ def test_kv_policy_scales_out_a_preempting_load_that_serves_default_policy_does_
         answered_on_two = sum(kv_load.by_replica[r] - answered[r] for r in on_two)
     finally:
         kv_load.stop()
-        default_load.stop()
-        print("autoscale-up timeline (s since load began):", timeline)
-        print("replica states when they changed (s, KV policy, Serve's default):",
-              [x for i, x in enumerate(samples) if i == 0 or x[1:] != samples[i - 1][1:]])
+        print("autoscale-up timeline (s since the KV app's load began):", timeline)
+        print("replica states when they changed (s since a load began, KV policy, Serve's "
+              "default):", [x for i, x in enumerate(samples)
+                            if i == 0 or x[1:] != samples[i - 1][1:]])
         print("client completions per replica:", dict(kv_load.by_replica),
               dict(default_load.by_replica))
     assert not kv_load.failures and not default_load.failures, \
@@ -355,7 +375,7 @@ def test_kv_policy_scales_out_a_preempting_load_that_serves_default_policy_does_
     print(f"preemptions per completion: KV policy's first replica alone {rate_alone:.2f} "
           f"({alone}), on two replicas {rate_on_two:.2f} ({preempted_on_two} in "
           f"{answered_on_two}); default policy {default_after - default_before} preemptions "
-          f"while the KV policy decided and 30 s more")
+          f"in {DEFAULT_LOAD_S} s")
     assert alone["preemptions"] > 0, "the load never made the single replica preempt"
     # Measured 0.20 -> 0.05 per completion. Not zero: now and then Serve's cached queue
     # lengths put all four on one replica. Asserted: at least halved.
@@ -438,36 +458,41 @@ class Stream:
             self.started.set()
 
 
-def kill_node(node_id: str) -> int:
-    """SIGKILL one fake node: its raylet and every process under it (workers, agents).
+def node_processes(node_id: str) -> list[psutil.Process]:
+    """One fake node: its raylet and every process under it (workers, agents, EngineCores).
 
     Fake nodes share the autoscaler monitor's process group, so the raylet is found by its
-    `--node_id` and its children are listed before it dies (they are reparented after)."""
+    `--node_id`; its children are listed while it lives (they are reparented after)."""
     raylets = [p for p in psutil.process_iter(["cmdline"])
                if f"--node_id={node_id}" in (p.info["cmdline"] or [])]
     assert len(raylets) == 1, f"expected one raylet for node {node_id}, found {raylets}"
-    victims = raylets + raylets[0].children(recursive=True)
-    titles = []
-    for p in victims:
-        try:
-            titles.append(" ".join(p.cmdline())[:40])
-            p.kill()
-        except psutil.Error:
-            pass
-    return titles
+    return raylets + raylets[0].children(recursive=True)
 
 
-def process_titles(session: int, *needles: str) -> Counter:
-    """Processes of this cluster (its head's session; Ray rewrites their titles) by title."""
+def title(p: psutil.Process) -> str:
+    try:
+        return " ".join(p.cmdline())[:40]
+    except psutil.Error:
+        return "(gone)"
+
+
+def process_titles(marker: str, *needles: str) -> Counter:
+    """Processes of this cluster by title: the descendants of its raylets (each raylet has
+    the cluster's own temp dir on its command line; Ray rewrites its workers' titles)."""
     counts: Counter[str] = Counter()
-    for pid in processes_in_sessions({session}):
+    for raylet in psutil.process_iter(["cmdline"]):
+        line = " ".join(raylet.info["cmdline"] or [])
+        if "raylet" not in line or marker not in line:
+            continue
         try:
-            line = " ".join(psutil.Process(pid).cmdline())
+            children = raylet.children(recursive=True)
         except psutil.Error:
             continue
-        for needle in needles:
-            if needle in line:
-                counts[needle] += 1
+        for p in children:
+            line = title(p)
+            for needle in needles:
+                if needle in line:
+                    counts[needle] += 1
     return counts
 
 
@@ -476,7 +501,7 @@ def test_losing_the_node_under_a_replica_while_it_streams(apps):
     """In-flight streams end with an error within a bound; Serve starts a replacement, the
     autoscaler replaces the node, the new replica redoes the handshake and serves; no card
     actor, EngineCore, placement group or card lock of the lost replica is left."""
-    ray, serve, url, session = apps
+    ray, serve, url, marker = apps
     from spyre_serve.vllm_plugin.settings import node_scratch
     app_url = f"{url}/{DEFAULT_APP}"
     wait_for("one replica in each app", lambda: one_replica_each(serve), 600, 1)
@@ -484,17 +509,25 @@ def test_losing_the_node_under_a_replica_while_it_streams(apps):
     group = ray.util.placement_group_table()[before["placement_group"]]
     (card_bundle,) = [i for i, b in group["bundles"].items() if "spyre" in b]
     lost = group["bundles_to_node_id"][card_bundle]
-    live_before = process_titles(session, "RayWorkerWrapper", "EngineCore")
+    live_before = process_titles(marker, "RayWorkerWrapper", "EngineCore")
     print("card actor and EngineCore processes before:", dict(live_before))
-    assert live_before == {"RayWorkerWrapper": 2, "EngineCore": 2}  # one replica per app
+    assert live_before["RayWorkerWrapper"] == 2  # one replica per app, one card each
+    # Listed before the streams start: the tiny model streams its 240 tokens in a few
+    # seconds, and walking /proc under load could take longer than that.
+    victims = node_processes(lost)
+    killed = [title(p) for p in victims]
 
     streams = [Stream(app_url, 240) for _ in range(2)]
     for s in streams:
         assert s.started.wait(120), "a stream never started"
-    assert all(s.ended_at is None for s in streams), [(s.tokens, s.error) for s in streams]
     killed_at, killed_wall = time.monotonic(), time.time()
-    killed = kill_node(lost)
+    for p in victims:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
     at_kill = [s.tokens for s in streams]
+    assert all(0 < t < 240 for t in at_kill), f"the streams were not in flight: {at_kill}"
     for s in streams:
         s.thread.join(120)
     outcomes = [(s.tokens, s.finish_reason, s.error,
@@ -537,7 +570,7 @@ def test_losing_the_node_under_a_replica_while_it_streams(apps):
     assert len(spyre_groups(ray, "CREATED")) == 2 and not spyre_groups(ray, "PENDING",
                                                                         "RESCHEDULING")
     wait_for("one card actor and one EngineCore per live replica", lambda: process_titles(
-        session, "RayWorkerWrapper", "EngineCore") == live_before, 120, 1)
+        marker, "RayWorkerWrapper", "EngineCore") == live_before, 120, 1)
     locks = list((Path(node_scratch("cards")) / lost).glob("card*.lock"))
     assert locks, "the lost node's card was never claimed through its lock"
     for lock in locks:

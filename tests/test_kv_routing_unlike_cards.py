@@ -23,7 +23,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from support import MiB, free_port, suite_driver_set_aside
+from support import MiB, free_port, suite_driver_set_aside, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -34,10 +34,11 @@ ROUTER = "spyre_serve.serve.kv_routing:KVCapacityRouter"
 BLOCK_BYTES = MiB
 # What the weights and warmup's activation peak take of a card (resident memory), measured
 # on this machine: 75.9-77.1 MiB (41.3-41.7 + 34.6-35.9). The small card is given room for
-# 7 blocks more (6-8 usable as measured): one request's 4, not three. The handshake's own figures are
-# checked below, so a change shows up as a wrong block count next to them.
+# 10 blocks more: two requests' 4, not the four Serve's default router sends it; a peak 5 MiB
+# higher still leaves the one full-length request the handshake insists on. The handshake's
+# own figures are checked below, so a change shows up as a wrong block count next to them.
 OVERHEAD_BYTES = 77 * MiB
-SMALL_BYTES, LARGE_BYTES = OVERHEAD_BYTES + 7 * MiB, OVERHEAD_BYTES + 40 * MiB
+SMALL_BYTES, LARGE_BYTES = OVERHEAD_BYTES + 10 * MiB, OVERHEAD_BYTES + 48 * MiB
 # A request of 128 prompt tokens and 120 generated ones ends in 4 blocks.
 PROMPT, OUTPUT, CLIENTS, REQUESTS_PER_CLIENT = [11] * 128, 120, 8, 4
 
@@ -93,7 +94,18 @@ def deploy(serve, model: str, router: bool) -> str:
                    num_replicas=2, replica_num_cpus=0.5, request_router_config=router_config,
                    spyre={"card_memory_bytes": 1024 * MiB})  # every node here has a label
     name = f"{APP}-{'kv-router' if router else 'default-router'}"
-    serve.run(build_app(args), name=name, route_prefix=f"/{name}")
+    # Not serve.run: while one replica runs, Serve retries a failing other one forever.
+    serve._run(build_app(args), name=name, route_prefix=f"/{name}", _blocking=False)
+
+    def running() -> bool:
+        app = serve.status().applications.get(name)
+        assert app is None or app.status != "DEPLOY_FAILED", app.message
+        return app is not None and app.status == "RUNNING"
+    try:
+        wait_for(f"{name}'s two replicas", running, 600, 2)
+    except AssertionError:
+        print("serve status:", serve.status().applications.get(name))
+        raise
     return name
 
 
@@ -156,7 +168,7 @@ def measured_run(serve, proxy: str, model: str, router: bool) -> dict:
     blocks = {"small": int(before[small]["free_kv_tokens"]) // 64 + 1,
               "large": int(before[large]["free_kv_tokens"]) // 64 + 1}
     # One full-length request fits on the small card, three do not; the large holds many.
-    assert 4 <= blocks["small"] - 1 < 12 and blocks["large"] >= 3 * blocks["small"], blocks
+    assert 4 <= blocks["small"] - 1 < 14 and blocks["large"] >= 3 * blocks["small"], blocks
     load = run_load(f"{proxy}/{name}")
     after = replica_figures(name)
     assert set(after) == set(before), "a replica was replaced during the load"
