@@ -8,7 +8,7 @@ serve: install
 	.venv/bin/spyre-serve run serve_config.yaml
 
 test: install
-	.venv/bin/python -m pytest -q --durations=12 tests
+	.venv/bin/python -m pytest -q --durations=40 tests
 
 bench: install
 	.venv/bin/python bench/compare_vllm.py

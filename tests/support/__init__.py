@@ -205,6 +205,19 @@ def replica_status(app_url: str) -> dict | None:
     return response.json() if response.status_code == 200 else None
 
 
+def replica_routing_stats(app: str) -> dict[str, dict]:
+    """Each replica's routing figures (free KV tokens, preemptions so far) by replica id,
+    asked of its Serve replica actor the way Serve's routers ask: a GET through the proxy
+    is routed, and spyre_serve's KV router sends every one to the replica with most room."""
+    import ray
+    prefix = f"SERVE_REPLICA::{app}#SpyreLLM#"
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+             if a["name"].startswith(prefix)]
+    return {name[len(prefix):]: ray.get(ray.get_actor(name, namespace="serve")
+                                        .record_routing_stats.remote(), timeout=60)
+            for name in names}
+
+
 def replica_statuses(app_url: str, replicas: int, timeout: float = 120) -> dict[str, dict]:
     """The status of each of `replicas` replicas, by replica id (GETs until all answered)."""
     seen: dict[str, dict] = {}
