@@ -521,11 +521,13 @@ def test_losing_the_node_under_a_replica_while_it_streams(apps):
     victims = node_processes(lost)
     killed = [title(p) for p in victims]
 
-    streams = [Stream(app_url, 240) for _ in range(2)]
-    # Killed once both stream, or once one is half-way: the tiny model streams 240 tokens
-    # in a second or two, and the second stream can start that much after the first.
-    wait_for("the streams to be in flight", lambda: all(s.tokens for s in streams) or any(
-        s.tokens >= 120 or s.ended_at for s in streams), 120, 0.005)
+    # Four streams (the replica's max_num_seqs), killed at the first token any of them
+    # shows: the tiny model streams 240 tokens in a second or two and the streams start
+    # that far apart (runs saw one done before another had a token), so which are in
+    # flight at the kill is measured, not arranged.
+    streams = [Stream(app_url, 240) for _ in range(4)]
+    wait_for("a stream to be in flight", lambda: any(s.tokens or s.ended_at for s in streams),
+             120, 0.002)
     killed_at, killed_wall = time.monotonic(), time.time()
     for p in victims:
         try:
