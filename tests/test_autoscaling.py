@@ -535,21 +535,24 @@ def test_losing_the_node_under_a_replica_while_it_streams(apps):
         except psutil.Error:
             pass
     at_kill = [s.tokens for s in streams]
-    for s in streams:
+    # Every stream in flight at the kill ends, within the bound, and none passes for
+    # complete. One not yet started waits in Serve for the replacement and is answered
+    # there (a run: 240 tokens 51 s after the kill); it is reported, not asserted.
+    in_flight = [s for s, t in zip(streams, at_kill) if 0 < t < 240]
+    for s in in_flight:
         s.thread.join(120)
-    outcomes = [(s.tokens, s.finish_reason, s.error,
+
+    def outcomes():
+        return [(s.tokens, s.finish_reason, s.error,
                  None if s.ended_at is None else round(s.ended_at - killed_at, 1))
                 for s in streams]
     print(f"killed {len(killed)} processes of node {lost}: {killed}; tokens at the kill "
-          f"{at_kill}; streams (tokens, finish, error, ended s after kill): {outcomes}")
+          f"{at_kill}; streams (tokens, finish, error, ended s after kill): {outcomes()}")
     # The node under the replica: its card actor died with it.
     assert any("RayWorkerWrapper" in t for t in killed), killed
-    # Every stream in flight at the kill ended, within the bound, and none passed for
-    # complete. (One not yet started may wait in Serve for the replacement: not asserted.)
-    in_flight = [s for s, t in zip(streams, at_kill) if 0 < t < 240]
     assert in_flight, f"no stream was in flight at the kill: {at_kill}"
-    assert all(s.ended_at is not None for s in in_flight), outcomes
-    assert all(s.finish_reason is None and s.tokens < 240 for s in in_flight), outcomes
+    assert all(s.ended_at is not None for s in in_flight), outcomes()
+    assert all(s.finish_reason is None and s.tokens < 240 for s in in_flight), outcomes()
 
     recovery = {}
     wait_for("Ray to mark the node dead", lambda: lost not in worker_nodes(ray), 120, 0.5)
@@ -565,6 +568,10 @@ def test_losing_the_node_under_a_replica_while_it_streams(apps):
     assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 4
     recovery["first_success"] = time.monotonic() - killed_at
     print("recovery (s after kill):", {k: round(v, 1) for k, v in recovery.items()})
+    for s in streams:
+        s.thread.join(120)
+    print("streams once a replacement served (tokens, finish, error, ended s after kill):",
+          outcomes())
 
     # A new node, and a handshake of its own, done after the loss.
     new_group = ray.util.placement_group_table()[after["placement_group"]]
