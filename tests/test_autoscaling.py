@@ -31,10 +31,8 @@ import httpx
 import psutil
 import pytest
 
-from support import (MiB, free_port, replica_routing_stats, replica_status,
-                     replica_statuses,
-                     start_ray_head,
-                     suite_driver_set_aside, wait_for)
+from support import (MiB, free_port, replica_routing_stats, replica_status, replica_statuses,
+                     start_ray_head, suite_driver_set_aside, wait_for)
 
 pytestmark = pytest.mark.slow
 NODE_TYPE = "spyre.worker"
@@ -145,7 +143,7 @@ KV_POLICY = "spyre_serve.serve.kv_autoscaling:KVCapacityPolicy"
 BLOCKS, PROMPT, OUTPUT, CONCURRENCY = 13, [7] * 128, 120, 4
 # Serve's own rule sees 4 ongoing requests against a target of 8: no reason to scale.
 TARGET_ONGOING = 8
-# How long Serve's default policy gets the load (its KV-policy twin asked in 25-38 s).
+# How long Serve's default policy gets the load (its KV-policy twin asked in 18-38 s).
 DEFAULT_LOAD_S = 45
 
 
@@ -345,6 +343,7 @@ def test_kv_policy_scales_out_a_preempting_load_that_serves_default_policy_does_
         on_two = replica_routing_stats(KV_APP)
         if first_replica not in on_two:
             print_replica_deaths(KV_APP)
+        assert first_replica in on_two, f"the first replica is gone: {list(on_two)}"
         alone = {"preemptions": on_two[first_replica]["preemptions"],
                  "answered": kv_load.by_replica[first_replica]}
         wait_for("both replicas to answer client completions",
@@ -378,7 +377,7 @@ def test_kv_policy_scales_out_a_preempting_load_that_serves_default_policy_does_
           f"{answered_on_two}); default policy {default_after - default_before} preemptions "
           f"in {DEFAULT_LOAD_S} s")
     assert alone["preemptions"] > 0, "the load never made the single replica preempt"
-    # Measured 0.20 -> 0.05 per completion. Not zero: now and then Serve's cached queue
+    # Measured 0.20 -> 0.05, 0.12 -> 0 and 0.18 -> 0 per completion. Not always zero: now and then Serve's cached queue
     # lengths put all four on one replica. Asserted: at least halved.
     assert rate_on_two <= rate_alone / 2
     # Serve's default policy, same load, same time: it preempted and never asked for more.
