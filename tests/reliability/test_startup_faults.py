@@ -1,7 +1,8 @@
 """Startup faults fail with a message naming the cause, and leave nothing running.
 
-tests/test_engine_startup_faults.py already covers, at engine level, a missing, corrupt or
-other-model report and a too-small card. Here: the faults the simulated compiler's drill
+tests/test_compiler_report.py covers a missing, corrupt or other-model report in the
+reader, and tests/test_engine_startup_faults.py a corrupt one and a too-small card at engine
+level. Here: the faults the simulated compiler's drill
 has no switch for, injected by `faulty_compiler` (a report for another shape, ranks that
 disagree on the block size, a report written for another rank and card), then a too-small
 card through Serve: the deployment ends DEPLOY_FAILED with the cause in its status, and no
