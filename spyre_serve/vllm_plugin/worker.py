@@ -156,4 +156,8 @@ class SpyreWorker(CPUWorker):
             "kv_cache_bytes": sum(t.numel() * t.element_size()
                                   for t in self.model_runner.kv_caches),
             "graphs_now": compiled_graphs(),
+            # Where this card's compute runs: Ray starts an actor that reserves no CPU
+            # with OMP_NUM_THREADS=1 (the bench records it).
+            "torch_num_threads": torch.get_num_threads(),
+            "cpu_affinity": sorted(os.sched_getaffinity(0)),
         }
