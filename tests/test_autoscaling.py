@@ -541,18 +541,18 @@ def test_losing_the_node_under_a_replica_while_it_streams(apps):
         return [(s.tokens, s.finish_reason, s.error,
                  None if s.ended_at is None else round(s.ended_at - killed_at, 1))
                 for s in streams]
-    # The streams the kill cut end, within the bound, and none passes for complete (no
-    # finish reason, fewer than 240 tokens). One not yet on the engine waits in Serve for the replacement and is answered
-    # there (a run: 240 tokens 51 s after the kill); it is reported, not asserted.
-    def ended_after_kill():
-        return [s for s in streams if s.ended_at is not None and s.ended_at >= killed_at]
-    wait_for("a stream cut by the loss to end", ended_after_kill, 120, 0.05)
-    cut = ended_after_kill()
+    # A client on 2 busy cores sees a stream late and in bursts (runs saw 224 and 240 of
+    # 240 tokens reach the client only after the kill, from an engine that had finished), so
+    # which streams the kill cut is not known at the kill. Asserted below: no stream hangs,
+    # a stream that ends without a finish reason ends before the replacement is ready (cut
+    # by the loss), and the loss hit traffic (a stream cut, or held by Serve and answered
+    # by the replacement).
+    wait_for("a stream to end after the kill", lambda: any(
+        s.ended_at is not None and s.ended_at >= killed_at for s in streams), 120, 0.05)
     print(f"killed {len(killed)} processes of node {lost}: {killed}; tokens at the kill "
           f"{at_kill}; streams (tokens, finish, error, ended s after kill): {outcomes()}")
     # The node under the replica: its card actor died with it.
     assert any("RayWorkerWrapper" in t for t in killed), killed
-    assert all(s.finish_reason is None and s.tokens < 240 for s in cut), outcomes()
 
     recovery = {}
     wait_for("Ray to mark the node dead", lambda: lost not in worker_nodes(ray), 120, 0.5)
@@ -572,11 +572,14 @@ def test_losing_the_node_under_a_replica_while_it_streams(apps):
         s.thread.join(120)
     print("streams once a replacement served (tokens, finish, error, ended s after kill):",
           outcomes())
-    # Whatever ended before the replacement was ready was cut, not completed by the dead one.
-    assert all(s.finish_reason is None and s.tokens < 240 for s in streams
-               if s.ended_at is not None
-               and 0 <= s.ended_at - killed_at < recovery["replacement_ready"]
-               ), outcomes()
+    assert all(s.ended_at is not None for s in streams), outcomes()  # none hangs
+    # Held: answered in full once the node was gone, so by the replacement (a stream the
+    # dead engine had finished reaches its client within about a second of the kill).
+    ready, dead = (killed_at + recovery[k] for k in ("replacement_ready", "node_dead"))
+    cut = [s for s in streams if s.finish_reason is None]
+    held = [s for s in streams if s.finish_reason == "length" and s.ended_at >= dead]
+    assert all(s.ended_at < ready for s in cut), outcomes()
+    assert cut or held, f"the loss hit no stream: {outcomes()}"
 
     # A new node, and a handshake of its own, done after the loss.
     new_group = ray.util.placement_group_table()[after["placement_group"]]
