@@ -432,7 +432,6 @@ class Stream:
     def __init__(self, app_url: str, max_tokens: int):
         self.app_url, self.max_tokens = app_url, max_tokens
         self.tokens, self.finish_reason, self.error, self.ended_at = 0, None, None, None
-        self.started = threading.Event()
         self.responded = threading.Event()  # the response headers came
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
@@ -455,13 +454,11 @@ class Stream:
                         self.error = f"error event: {event['error']}"
                         return
                     self.tokens += 1
-                    self.started.set()
                     self.finish_reason = event["choices"][0]["finish_reason"] or self.finish_reason
         except httpx.HTTPError as e:  # the proxy closed the stream mid-way
             self.error = f"{type(e).__name__}: {e}"
         finally:
             self.ended_at = time.monotonic()
-            self.started.set()
 
 
 def node_processes(node_id: str) -> list[psutil.Process]:
