@@ -30,6 +30,7 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import report  # noqa: E402
+import roofline  # noqa: E402
 import runs  # noqa: E402
 from runs import MODELS, VARIANT_ALIASES, VLLM_VARIANTS  # noqa: E402
 
@@ -133,8 +134,12 @@ def main(argv=None) -> int:
                                   "repeat, ABBA: spyre_serve, vllm, vllm, spyre_serve, ...; "
                                   "--vllm-variants after them"},
                 "models": {}}
+    # Once, before any server runs: the floor each server's decode step is set against.
+    bandwidth = document["meta"]["memory_bandwidth"] = roofline.machine_bandwidth()
+    print(f"memory bandwidth: {bandwidth}", flush=True)
     for model in models:
-        document["models"][model] = runs.bench_model(model, args, out.parent / out.stem)
+        document["models"][model] = runs.bench_model(model, args, out.parent / out.stem,
+                                                     bandwidth)
         out.write_text(json.dumps(document, indent=1))  # after each model: a crash keeps the first
         if "ratios" in document["models"][model]:
             print(report.table(model, document["models"][model]), flush=True)

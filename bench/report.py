@@ -91,6 +91,7 @@ def table(model: str, result: dict) -> str:
                f"sequence of this load; peak running spyre_serve {_int(kv['peak_running']['spyre_serve'])}, "
                f"vllm {_int(kv['peak_running']['vllm'])}; preemptions spyre_serve "
                f"{_int(kv['preemptions']['spyre_serve'])}, vllm {_int(kv['preemptions']['vllm'])}")
+    out += decode_floor_lines(result.get("decode_vs_bandwidth"))
     for name, variant in result["servers"].items():
         if name in ("spyre_serve", "vllm"):
             continue
@@ -103,6 +104,22 @@ def table(model: str, result: dict) -> str:
                        f"{_fmt(ratio(ours['phases'][phase]['load']['output_tokens_per_s'], load['output_tokens_per_s']))}")
     out += verdict_lines(result)
     return "\n".join(out)
+
+
+def decode_floor_lines(floor: dict | None) -> list[str]:
+    """Each server's decode step at batch 1 against weights bytes / memory bandwidth."""
+    if not floor:
+        return []
+    bw, ms = floor["bandwidth"], floor["floor_ms"]
+    out = [f"\ndecode step at batch 1 against the memory-bandwidth floor ({floor['weights_mib']} "
+           f"MiB of weights read per step; bandwidth {bw['one_thread_gb_s']} GB/s on one thread, "
+           f"{bw['all_cores_gb_s']} GB/s on {bw['cores']} cores -> floor {ms['one_thread']} / "
+           f"{ms['all_cores']} ms):"]
+    for name, s in floor["servers"].items():
+        x = s["x_floor"] or {}
+        out.append(f"  {name:<14}{_fmt(s['decode_step_ms'])} ms = {_fmt(x.get('one_thread'), 6)}x "
+                   f"the one-thread floor, {_fmt(x.get('all_cores'), 6)}x the all-cores floor")
+    return out
 
 
 def verdict_lines(result: dict) -> list[str]:

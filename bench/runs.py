@@ -26,6 +26,7 @@ import loadgen  # noqa: E402
 import metrics  # noqa: E402
 import pyspy_summary  # noqa: E402
 import report  # noqa: E402
+import roofline  # noqa: E402
 import startup  # noqa: E402
 import verdict  # noqa: E402
 from metrics import SchedulerWatch  # noqa: E402
@@ -367,7 +368,7 @@ def serve_session(server, args, phases, warm_prompts, first_prompt, repeat: int)
     return result
 
 
-def bench_model(model: str, args, out_dir: Path) -> dict:
+def bench_model(model: str, args, out_dir: Path, bandwidth: dict | None = None) -> dict:
     spec = MODELS[model]
     path = model_path(spec["builder"])  # built once and cached, outside the timed start
     rate = args.rate or spec["rate"]
@@ -426,8 +427,10 @@ def bench_model(model: str, args, out_dir: Path) -> dict:
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     servers = {name: metrics.combine_sessions(runs) for name, runs in sessions.items()}
+    floor = bandwidth and roofline.decode_vs_floor(
+        servers, roofline.decode_weights_bytes(path), bandwidth)
     if "vllm" not in servers:  # --spyre-only: a tuning run, absolutes only
-        return {"config": config, "servers": servers}
+        return {"config": config, "servers": servers, "decode_vs_bandwidth": floor}
     block_budget = servers["spyre_serve"]["status"]["num_blocks"]
     result = {
         "config": config,
@@ -437,6 +440,7 @@ def bench_model(model: str, args, out_dir: Path) -> dict:
         "ratios": report.phase_ratios(servers["spyre_serve"]["phases"], servers["vllm"]["phases"]),
         "kv_usefulness": metrics.kv_usefulness(config, block_budget, servers["spyre_serve"],
                                                servers["vllm"]),
+        "decode_vs_bandwidth": floor,
     }
     result.update(verdict.judge_model(result))  # validity, targets, verdict
     return result
