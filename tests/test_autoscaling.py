@@ -145,6 +145,11 @@ BLOCKS, PROMPT, OUTPUT, CONCURRENCY = 13, [7] * 128, 120, 4
 TARGET_ONGOING = 8
 # How long Serve's default policy gets the load (its KV-policy twin asked in 18-38 s).
 DEFAULT_LOAD_S = 45
+# Completions per replica the rate on two replicas is taken over. The window opens when
+# both have served, while the first may still hold most of the requests it had alone: its
+# preemptions then count on two. With 3 each, a CI run measured 2 such in 8 (0.25, against
+# 0.18 alone); 8 each dilutes the hand-over, at about 2 completions a second.
+ON_TWO_WINDOW = 8
 
 
 def app_args(tiny_model: str, compile_cache: Path, kv_policy: bool):
@@ -352,8 +357,8 @@ def test_kv_policy_scales_out_a_preempting_load_that_serves_default_policy_does_
         # On two replicas (and the KV router) the four long requests have room.
         on_two = replica_routing_stats(KV_APP)
         answered = Counter(kv_load.by_replica)
-        wait_for("each KV replica to answer 3 more completions", lambda: all(
-            kv_load.by_replica[r] - answered[r] >= 3 for r in on_two), 600, 0.5)
+        wait_for(f"each KV replica to answer {ON_TWO_WINDOW} more completions", lambda: all(
+            kv_load.by_replica[r] - answered[r] >= ON_TWO_WINDOW for r in on_two), 600, 0.5)
         after = replica_routing_stats(KV_APP)
         answered_on_two = sum(kv_load.by_replica[r] - answered[r] for r in on_two)
     finally:
@@ -378,8 +383,8 @@ def test_kv_policy_scales_out_a_preempting_load_that_serves_default_policy_does_
           f"in {DEFAULT_LOAD_S} s")
     assert alone["preemptions"] > 0, "the load never made the single replica preempt"
     # Measured 0.20 -> 0.05, 0.12 -> 0, 0.18 -> 0 and 0.17 -> 0.10 per completion. Not
-    # always zero: now and then Serve's cached queue lengths put all four on one replica, and
-    # with about ten completions on two replicas one preemption is 0.10. Asserted: lower.
+    # always zero: now and then Serve's cached queue lengths put all four on one replica.
+    # Asserted: lower, over ON_TWO_WINDOW completions per replica.
     assert rate_on_two < rate_alone
     # Serve's default policy, same load, same time: it preempted and never asked for more.
     assert default_after - default_before > 0
