@@ -23,6 +23,13 @@ APP_START_TIMEOUT_S = 240
 CARD = 256 * MiB
 
 
+def in_engine(metrics_text: str) -> float:
+    """Requests the engine holds (running, or waiting in its scheduler: a request preempted
+    for blocks waits again), from a replica's /metrics; a request queued in Serve is not."""
+    return (metric(metrics_text, "vllm:num_requests_running")
+            + metric(metrics_text, "vllm:num_requests_waiting"))
+
+
 def sse_events(lines) -> list[dict]:
     """The JSON events of an OpenAI server-sent-event stream, up to `data: [DONE]`."""
     events = []

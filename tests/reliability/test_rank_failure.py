@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from .helpers import (APP_START_TIMEOUT_S, CARD, MiB, app_args, app_status, completion_body,
-                      delete_app, deploy, metric, record, wait_for)
+                      delete_app, deploy, in_engine, record, wait_for)
 
 pytestmark = pytest.mark.slow
 
@@ -152,19 +152,15 @@ def test_killed_rank_fails_requests_fast_and_serve_replaces_the_replica(rank_app
             # blocks is back in waiting, and the kill cuts it all the same (a CI run never
             # saw all ten *running* at one scrape, and all finished before the deadline).
             deadline = time.monotonic() + 120
-            in_engine, seen = None, []
-            while not (in_engine == STREAMS + PLAIN and started.is_set()):
+            held: list[float] = []
+            while not (held[-1:] == [STREAMS + PLAIN] and started.is_set()):
                 assert time.monotonic() < deadline, (
-                    f"the requests never were all in the engine: (running, waiting) seen="
-                    f"{seen[-20:]}, streaming={counter['streaming']}, outcomes={outcomes}")
+                    f"the requests never were all in the engine: held={held[-20:]}, "
+                    f"streaming={counter['streaming']}, outcomes={outcomes}")
                 await asyncio.sleep(0.1)
-                text = (await client.get("/metrics")).text
-                running = metric(text, "vllm:num_requests_running")
-                waiting = metric(text, "vllm:num_requests_waiting")
-                seen.append((running, waiting))
-                in_engine = running + waiting
+                held.append(in_engine((await client.get("/metrics")).text))
             killed_at["t"] = time.monotonic()
-            killed_at["scrapes"] = seen[-3:]
+            killed_at["held"] = held[-3:]
             os.kill(victim, signal.SIGKILL)
             _, pending = await asyncio.wait(tasks, timeout=ERROR_BOUND_S)
             for task in pending:
@@ -223,7 +219,8 @@ def test_killed_rank_fails_requests_fast_and_serve_replaces_the_replica(rank_app
              lambda: ray.available_resources().get("spyre", 0) == spyre_free_before, 60)
 
     record("rank_failure", in_flight=len(outcomes), outcomes=sorted(outcomes.values()),
-           hung=hung, running_waiting_at_kill=killed_at["scrapes"], all_ended_within_s=round(errors_within_s or -1, 1),
+           hung=hung, in_engine_at_kill=killed_at["held"],
+           all_ended_within_s=round(errors_within_s or -1, 1),
            unhealthy_seen=seen_unhealthy, replaced_after_s=round(replaced_s, 1),
            first_success_after_s=round(recovered_s, 1), error_samples=SAMPLES)
 

@@ -28,7 +28,7 @@ import pytest
 from support import port_open
 
 from .helpers import (serve_controller_running, APP_START_TIMEOUT_S, MiB, app_args, app_status, completion_body, delete_app,
-                      deploy, metric, record, wait_for, wait_for_app)
+                      deploy, in_engine, metric, record, wait_for, wait_for_app)
 
 pytestmark = pytest.mark.slow
 
@@ -75,11 +75,6 @@ async def full_stream(client, tag: str, tokens: int = TOKENS) -> dict:
         result["error"] = f"{type(e).__name__}: {e}"
     result["end"] = time.monotonic()
     return result
-
-
-def in_engine(metrics_text: str) -> float:
-    return (metric(metrics_text, "vllm:num_requests_running")
-            + metric(metrics_text, "vllm:num_requests_waiting"))
 
 
 class ReplicaWatch(threading.Thread):
