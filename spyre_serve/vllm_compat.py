@@ -68,8 +68,14 @@ ENGINE = (
          "overridden so the per-rank actors are ours while vLLM creates them",
          params=("placement_group",)),
     Hook("vllm.v1.executor.ray_executor:RayDistributedExecutor._execute_dag",
-         "called once with an empty step so Ray's compiled graph is built at startup, not on "
-         "the first client request", params=("scheduler_output", "grammar_output")),
+         "overridden: a step runs as plain Ray actor calls, not a compiled graph whose reader "
+         "spins a core; vLLM's execute_model/sample_tokens call it with these parameters",
+         params=("scheduler_output", "grammar_output", "non_block")),
+    Hook("vllm.v1.executor.ray_utils:RayWorkerWrapper.execute_model_ray",
+         "each rank's step, called by our executor with (scheduler_output, grammar_output)",
+         params=("execute_model_input",)),
+    Hook("vllm.v1.executor.ray_utils:FutureWrapper",
+         "what a non-blocking step returns to the EngineCore (result() reads rank 0's output)"),
     Hook("vllm.v1.worker.cpu_model_runner:CPUModelRunner.initialize_kv_cache",
          "warmup allocates a throwaway 4-block cache (is_profiling=True) before the handshake",
          params=("kv_cache_config", "is_profiling")),

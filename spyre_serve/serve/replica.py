@@ -86,8 +86,8 @@ class SpyreLLMServer:
     async def _first_request(self) -> float:
         """One request through the serving path before Serve routes any.
 
-        Warmup drives each rank directly; the executor's own first step (vLLM's Ray
-        executor builds its compiled graph there) would otherwise land on a client.
+        Warmup drives each rank directly; the first step through the engine's own path
+        (scheduler, executor, detokenizer) would otherwise land on a client.
         """
         from vllm import PoolingParams, SamplingParams
         started = time.monotonic()
