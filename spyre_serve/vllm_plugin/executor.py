@@ -11,7 +11,6 @@ import functools
 import os
 
 import ray
-from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.executor.ray_executor import RayDistributedExecutor
 from vllm.v1.executor.ray_utils import FutureWrapper, RayWorkerWrapper
 
