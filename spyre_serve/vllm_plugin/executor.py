@@ -65,6 +65,27 @@ def _startup_errors_to_file(vllm_config):
         raise
 
 
+class _StepOnAllRanks(FutureWrapper):
+    """A step's result: rank 0's output (as vLLM's compiled-graph path reads it), but only
+    once every rank has finished, and failing as soon as any rank fails. Waiting on rank 0
+    alone would hang when another rank dies: rank 0 then blocks in the tensor-parallel
+    collective with the dead rank, and the replica would never report itself unhealthy."""
+
+    def __init__(self, refs):
+        super().__init__(refs[0])
+        self._refs = refs
+
+    def result(self, timeout=None):
+        pending = list(self._refs)
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=timeout)
+            if not ready:
+                raise TimeoutError(f"engine step not finished on {len(pending)} rank(s) "
+                                   f"after {timeout} s")
+            ray.get(ready)  # raises the failed rank's error (e.g. ActorDiedError) at once
+        return super().result()
+
+
 class SpyreRayExecutor(RayDistributedExecutor):
     def _init_executor(self) -> None:
         with _startup_errors_to_file(self.vllm_config), _driver_needs_no_card():
@@ -89,8 +110,7 @@ class SpyreRayExecutor(RayDistributedExecutor):
         actor run in submission order, which is the order the ranks need."""
         refs = [worker.execute_model_ray.remote((scheduler_output, grammar_output))
                 for worker in self.workers]
-        # Rank 0's output is the step's output (vLLM's compiled-graph path reads refs[0] too).
-        future = FutureWrapper(refs[0])
+        future = _StepOnAllRanks(refs)
         return future if non_block else future.result()
 
     def _block_handshake(self) -> list[int]:
