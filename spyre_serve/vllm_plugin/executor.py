@@ -76,14 +76,19 @@ class _StepOnAllRanks(FutureWrapper):
         self._refs = refs
 
     def result(self, timeout=None):
-        pending = list(self._refs)
+        pending, output = list(self._refs), None
         while pending:
             ready, pending = ray.wait(pending, num_returns=1, timeout=timeout)
             if not ready:
                 raise TimeoutError(f"engine step not finished on {len(pending)} rank(s) "
                                    f"after {timeout} s")
-            ray.get(ready)  # raises the failed rank's error (e.g. ActorDiedError) at once
-        return super().result()
+            # Each get raises the failed rank's error (e.g. ActorDiedError) at once; rank
+            # 0's output is read (and detached, as vLLM does) once, when it is ready.
+            if ready[0] == self._refs[0]:
+                output = super().result()
+            else:
+                ray.get(ready)
+        return output
 
 
 class SpyreRayExecutor(RayDistributedExecutor):
