@@ -484,9 +484,14 @@ def title(p: psutil.Process) -> str:
         return "(gone)"
 
 
-def process_titles(marker: str, *needles: str) -> Counter:
-    """Processes of this cluster by title: the descendants of its raylets (each raylet has
-    the cluster's own temp dir on its command line; Ray rewrites its workers' titles)."""
+def engine_processes(marker: str) -> Counter:
+    """Card actors and EngineCores of this cluster: the descendants of its raylets (each
+    raylet has the cluster's own temp dir on its command line).
+
+    A card actor is known by the title Ray gives it. An EngineCore is known by where it
+    sits, the multiprocessing child of a replica that is not the resource tracker: vLLM
+    titles it `VLLM::EngineCore` only once it runs, and a CI run listed one still under
+    its spawn command line (the cluster then looked one EngineCore short)."""
     counts: Counter[str] = Counter()
     for raylet in psutil.process_iter(["cmdline"]):
         line = " ".join(raylet.info["cmdline"] or [])
@@ -497,10 +502,14 @@ def process_titles(marker: str, *needles: str) -> Counter:
         except psutil.Error:
             continue
         for p in children:
-            line = title(p)
-            for needle in needles:
-                if needle in line:
-                    counts[needle] += 1
+            try:
+                line, parent = " ".join(p.cmdline()), " ".join(p.parent().cmdline())
+            except (psutil.Error, AttributeError):  # gone, or orphaned (parent None)
+                continue
+            if "RayWorkerWrapper" in line:
+                counts["card actor"] += 1
+            elif "ServeReplica" in parent and "resource_tracker" not in line:
+                counts["EngineCore"] += 1
     return counts
 
 
@@ -517,9 +526,10 @@ def test_losing_the_node_under_a_replica_while_it_streams(apps):
     group = ray.util.placement_group_table()[before["placement_group"]]
     (card_bundle,) = [i for i, b in group["bundles"].items() if "spyre" in b]
     lost = group["bundles_to_node_id"][card_bundle]
-    live_before = process_titles(marker, "RayWorkerWrapper", "EngineCore")
-    print("card actor and EngineCore processes before:", dict(live_before))
-    assert live_before["RayWorkerWrapper"] == 2  # one replica per app, one card each
+    # One replica per app, each with one card actor and one EngineCore.
+    wait_for("one card actor and one EngineCore per replica", lambda: (
+        engine_processes(marker) == {"card actor": 2, "EngineCore": 2}), 60, 1,
+        describe=lambda: engine_processes(marker))
     # Listed before the streams start: the tiny model streams its 240 tokens in a few
     # seconds, and walking /proc under load could take longer than that.
     victims = node_processes(lost)
@@ -599,8 +609,9 @@ def test_losing_the_node_under_a_replica_while_it_streams(apps):
     assert ray.util.placement_group_table()[before["placement_group"]]["state"] == "REMOVED"
     assert len(spyre_groups(ray, "CREATED")) == 2 and not spyre_groups(ray, "PENDING",
                                                                         "RESCHEDULING")
-    wait_for("one card actor and one EngineCore per live replica", lambda: process_titles(
-        marker, "RayWorkerWrapper", "EngineCore") == live_before, 120, 1)
+    wait_for("one card actor and one EngineCore per live replica", lambda: (
+        engine_processes(marker) == {"card actor": 2, "EngineCore": 2}), 120, 1,
+        describe=lambda: engine_processes(marker))
     locks = list((Path(node_scratch("cards")) / lost).glob("card*.lock"))
     assert locks, "the lost node's card was never claimed through its lock"
     for lock in locks:

@@ -18,8 +18,9 @@ ROOT = Path(__file__).resolve().parents[2]
 VENV_BIN = ROOT / ".venv" / "bin"
 
 
-def wait_for(what: str, condition, timeout: float, interval: float = 0.25):
-    """Poll `condition` until it returns something truthy; fail after `timeout` seconds."""
+def wait_for(what: str, condition, timeout: float, interval: float = 0.25, describe=None):
+    """Poll `condition` until it returns something truthy; fail after `timeout` seconds,
+    with `describe()` in the message when the condition's own value says too little."""
     deadline = time.monotonic() + timeout
     while True:
         value = condition()
@@ -27,7 +28,8 @@ def wait_for(what: str, condition, timeout: float, interval: float = 0.25):
             return value
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}; "
-                                 f"last value: {value!r}")
+                                 f"last value: {value!r}"
+                                 + (f"; {describe()}" if describe else ""))
         time.sleep(interval)
 
 
