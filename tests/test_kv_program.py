@@ -1,4 +1,9 @@
 """The card's KV-cache program against vLLM's own CPU kernel, and its compiled graph's reuse."""
+import os
+import platform
+import subprocess
+import sys
+
 import pytest
 import torch
 from vllm import _custom_ops as ops
@@ -50,3 +55,37 @@ def test_resizing_the_cache_reuses_the_graph_compiled_on_4_blocks():
     assert after_warmup == before + 1
     assert compiled_graphs() == after_warmup
 
+
+
+PICK = """
+import sys
+if sys.argv[1] == "ours":
+    from spyre_serve.handshake.card import _test_only_the_vector_isa_inductor_picks
+    _test_only_the_vector_isa_inductor_picks()
+from torch._inductor.cpu_vec_isa import pick_vec_isa
+print(pick_vec_isa())
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"),
+                    reason="inductor tests vector ISAs by building on x86 only")
+def test_the_simulated_compiler_tests_one_vector_isa_and_picks_inductors(tmp_path):
+    """Inductor alone builds its vector-code test library for each ISA the CPU lists; the
+    simulated compiler builds the chosen ISA's only, and inductor then picks the same ISA."""
+    picked, libraries = {}, {}
+    for way in ("inductor", "ours"):
+        cache = tmp_path / way
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache)}
+        env.pop("TORCHINDUCTOR_VEC_ISA_OK", None)
+        run = subprocess.run([sys.executable, "-c", PICK, way], env=env, capture_output=True,
+                             text=True, timeout=300)
+        assert run.returncode == 0, run.stderr[-2000:]
+        picked[way] = run.stdout.strip().splitlines()[-1]
+        # The vector-code test (the costly one, ATen's vec headers); the small checks of
+        # single instructions (bf16, VNNI, AMX) that inductor adds for some ISAs still run.
+        libraries[way] = sum(1 for source in cache.rglob("*.cpp")
+                             if "ATen/cpu/vec/vec.h" in source.read_text()
+                             and source.with_suffix(".so").exists())
+    assert picked["ours"] == picked["inductor"] != "INVALID_VEC_ISA", picked
+    assert libraries["ours"] == 1 <= libraries["inductor"], libraries

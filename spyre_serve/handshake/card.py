@@ -108,6 +108,33 @@ class Card:
                            max_model_len=max_model_len, not_before=not_before)
 
 
+def _test_only_the_vector_isa_inductor_picks() -> None:
+    """Before its first CPU compile, inductor builds and loads a test library for every
+    vector ISA the CPU lists (here AMX, AVX512-VNNI, AVX512, AVX2: ~7 s of g++ on 2 cores,
+    at each cold start on a node), then uses one. Test that one alone, the way inductor
+    does; if it works, tell inductor the listed ISAs are usable (`cpp.vec_isa_ok`), so it
+    picks the same one untested. If it does not, inductor tests them all, as before.
+    Torch has no switch for "test only the one you pick", hence this."""
+    import platform
+
+    from spyre_serve.vllm_compat import hook
+    config_path = "torch._inductor.config:cpp.vec_isa_ok"
+    if hook(config_path) is not None or platform.machine() not in ("x86_64", "AMD64"):
+        return  # set by the user (TORCHINDUCTOR_VEC_ISA_OK), or not inductor's x86 probe
+    module = "torch._inductor.cpu_vec_isa:"
+    listed = hook(module + "x86_isa_checker")()
+    usable = [isa for isa in hook(module + "supported_vec_isa_list")
+              if all(flag in listed for flag in str(isa).split())]
+    if not usable:
+        return
+    chosen = hook(module + "get_isa_from_cpu_capability")(
+        os.getenv("ATEN_CPU_CAPABILITY"), usable, hook(module + "invalid_vec_isa"))
+    if chosen in usable and chosen.check_build(hook(module + "VecISA._avx_code")):
+        from torch._inductor import config
+        config.cpp.vec_isa_ok = True
+        logger.info("inductor's vector ISA: %s (tested alone)", chosen)
+
+
 class SimulatedCard(Card):
     """A card with a memory budget, served by vLLM's CPU kernels and inductor.
 
@@ -127,6 +154,7 @@ class SimulatedCard(Card):
 
     def compile(self, fn: Callable) -> Callable:
         import torch
+        _test_only_the_vector_isa_inductor_picks()
         return torch.compile(fn, backend="inductor", dynamic=False)
 
     def publish_block_report(self, model: str, max_model_len: int,
