@@ -65,6 +65,7 @@ class SpyreWorker(CPUWorker):
         """
         started = time.time()
         start = "cold"
+        self.card.compiler_ready()
         if catalog_key and self.settings.backend == "cpu":
             import ray
             self.compile_cache_path = catalog.compile_cache_dir(
