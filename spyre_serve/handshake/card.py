@@ -8,6 +8,7 @@ from __future__ import annotations
 import fcntl
 import importlib
 import os
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -111,31 +112,50 @@ class Card:
                            max_model_len=max_model_len, not_before=not_before)
 
 
-def _test_only_the_vector_isa_inductor_picks() -> None:
-    """Before its first CPU compile, inductor builds and loads a test library for every
-    vector ISA the CPU lists (here AMX, AVX512-VNNI, AVX512, AVX2: ~7 s of g++ on 2 cores,
-    at each cold start on a node), then uses one. Test that one alone, the way inductor
-    does; if it works, tell inductor the listed ISAs are usable (`cpp.vec_isa_ok`), so it
-    picks the same one untested. If it does not, inductor tests them all, as before.
-    Torch has no switch for "test only the one you pick", hence this."""
+def _picked_vector_isa_builds() -> bool:
+    """Build and load inductor's vector-code test for the one ISA it will pick, as
+    inductor does; False when not inductor's x86 case or the user set TORCHINDUCTOR_VEC_ISA_OK."""
     import platform
 
     from spyre_serve.vllm_compat import hook
-    config_path = "torch._inductor.config:cpp.vec_isa_ok"
-    if hook(config_path) is not None or platform.machine() not in ("x86_64", "AMD64"):
-        return  # set by the user (TORCHINDUCTOR_VEC_ISA_OK), or not inductor's x86 probe
+    if (hook("torch._inductor.config:cpp.vec_isa_ok") is not None
+            or platform.machine() not in ("x86_64", "AMD64")):
+        return False
     module = "torch._inductor.cpu_vec_isa:"
     listed = hook(module + "x86_isa_checker")()
     usable = [isa for isa in hook(module + "supported_vec_isa_list")
               if all(flag in listed for flag in str(isa).split())]
     if not usable:
-        return
+        return False
     chosen = hook(module + "get_isa_from_cpu_capability")(
         os.getenv("ATEN_CPU_CAPABILITY"), usable, hook(module + "invalid_vec_isa"))
-    if chosen in usable and chosen.check_build(hook(module + "VecISA._avx_code")):
-        from torch._inductor import config
-        config.cpp.vec_isa_ok = True
-        logger.info("inductor's vector ISA: %s (tested alone)", chosen)
+    return chosen in usable and chosen.check_build(hook(module + "VecISA._avx_code"))
+
+
+class VectorIsaTest:
+    """Before its first CPU compile, inductor builds and loads a test library for every
+    vector ISA the CPU lists (here AMX, AVX512-VNNI, AVX512, AVX2: ~7 s of g++ on 2 cores,
+    at each cold start on a node), then uses one. This tests that one alone, in a thread
+    (mostly g++ in a subprocess, so it runs beside the weights loading); `apply()` then
+    tells inductor the listed ISAs are usable (`cpp.vec_isa_ok`), so it picks the same one
+    untested. If the test fails, inductor tests them all, as before. Torch has no switch
+    for "test only the one you pick", hence this."""
+
+    def __init__(self):
+        self.passed = False
+        self._thread = threading.Thread(target=self._run, name="inductor-isa-test",
+                                        daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        self.passed = _picked_vector_isa_builds()
+
+    def apply(self) -> None:
+        """Call from the thread that compiles: torch keeps inductor settings per thread."""
+        self._thread.join()
+        if self.passed:
+            from torch._inductor import config
+            config.cpp.vec_isa_ok = True
 
 
 class SimulatedCard(Card):
@@ -156,14 +176,8 @@ class SimulatedCard(Card):
         return self.memory_budget_bytes
 
     def compile(self, fn: Callable) -> Callable:
-        import threading
-
         import torch
-
-        # The ISA test is mostly g++ in a subprocess: it runs beside the weights loading.
-        self._isa_test = threading.Thread(target=_test_only_the_vector_isa_inductor_picks,
-                                          name="inductor-isa-test", daemon=True)
-        self._isa_test.start()
+        self._isa_test = VectorIsaTest()
         # No precompiled header: building it (149 MiB of ATen's vector headers) costs
         # ~4.4 s the first time on a node, more than our two small graphs ever save with it,
         # and a replica autoscaled onto a fresh node always pays it. This compile only.
@@ -171,11 +185,11 @@ class SimulatedCard(Card):
                              options={"cpp_cache_precompile_headers": False})
 
     def compiler_ready(self) -> None:
-        # Before the worker points TORCHINDUCTOR_CACHE_DIR at the key's cache, and before
-        # the first compile reads cpp.vec_isa_ok.
+        # Before the worker points TORCHINDUCTOR_CACHE_DIR at the key's cache, and in the
+        # thread that then compiles (the warmup's).
         test = getattr(self, "_isa_test", None)
         if test is not None:
-            test.join()
+            test.apply()
 
     def publish_block_report(self, model: str, max_model_len: int,
                              measured: WarmupMeasurement) -> None:
