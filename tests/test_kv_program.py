@@ -56,7 +56,6 @@ def test_resizing_the_cache_reuses_the_graph_compiled_on_4_blocks():
     assert compiled_graphs() == after_warmup
 
 
-
 PICK = """
 import sys
 if sys.argv[1] == "ours":  # as the card does: the test in a thread, applied in this one

@@ -114,12 +114,11 @@ class Card:
 
 def _picked_vector_isa_builds() -> bool:
     """Build and load inductor's vector-code test for the one ISA it will pick, as
-    inductor does; False when not inductor's x86 case or the user set TORCHINDUCTOR_VEC_ISA_OK."""
+    inductor does; False when not inductor's x86 case."""
     import platform
 
     from spyre_serve.vllm_compat import hook
-    if (hook("torch._inductor.config:cpp.vec_isa_ok") is not None
-            or platform.machine() not in ("x86_64", "AMD64")):
+    if platform.machine() not in ("x86_64", "AMD64"):
         return False
     module = "torch._inductor.cpu_vec_isa:"
     listed = hook(module + "x86_isa_checker")()
@@ -151,9 +150,11 @@ class VectorIsaTest:
         self.passed = _picked_vector_isa_builds()
 
     def apply(self) -> None:
-        """Call from the thread that compiles: torch keeps inductor settings per thread."""
+        """Call from the thread that compiles: torch keeps inductor settings per thread, so
+        only there is a value the user set (TORCHINDUCTOR_VEC_ISA_OK or code) seen and kept."""
         self._thread.join()
-        if self.passed:
+        from spyre_serve.vllm_compat import hook
+        if self.passed and hook("torch._inductor.config:cpp.vec_isa_ok") is None:
             from torch._inductor import config
             config.cpp.vec_isa_ok = True
 
@@ -170,6 +171,7 @@ class SimulatedCard(Card):
         super().__init__(index, rank, settings)
         self.device = f"sim{index}"
         self.memory_budget_bytes = settings.card_budget(rank, _node_labels())
+        self._isa_test: VectorIsaTest | None = None   # started by compile()
 
     @property
     def identity(self) -> int:
@@ -187,9 +189,8 @@ class SimulatedCard(Card):
     def compiler_ready(self) -> None:
         # Before the worker points TORCHINDUCTOR_CACHE_DIR at the key's cache, and in the
         # thread that then compiles (the warmup's).
-        test = getattr(self, "_isa_test", None)
-        if test is not None:
-            test.apply()
+        if self._isa_test is not None:
+            self._isa_test.apply()
 
     def publish_block_report(self, model: str, max_model_len: int,
                              measured: WarmupMeasurement) -> None:
