@@ -58,6 +58,12 @@ ENGINE = (
     Hook("vllm.v1.executor.ray_executor:RayWorkerWrapper",
          "a module global vLLM's Ray executor instantiates per rank: swapped for our wrapper, "
          "which claims a card (Ray reports accelerator ids only for accelerators it knows)"),
+    Hook("vllm.v1.executor.ray_executor:ray",
+         "the module global vLLM's Ray executor creates its per-rank actors through "
+         "(ray.remote(**options)(RayWorkerWrapper).remote(rpc_rank=r)): stood in for while it "
+         "does, so it adopts the card actors the replica started ahead (card_actors.py)"),
+    Hook("vllm.v1.executor.ray_env_utils:update_runtime_env_for_worker_import",
+         "the runtime env vLLM gives each card actor; card actors started ahead get the same"),
     Hook("vllm.v1.executor.ray_executor:initialize_ray_cluster",
          "a module global: wrapped to lift the 'driver on a placement-group node' rule, which "
          "guards GPUs and refuses fine groups where raylets share a host",

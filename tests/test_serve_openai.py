@@ -174,16 +174,27 @@ def test_metrics_expose_spyre_and_vllm_kv_figures(server):
 
 
 def test_card_actors_run_in_the_replicas_placement_group(server, ray_cluster):
+    from ray._private import state
+
+    from spyre_serve.vllm_plugin.card_actors import NAMESPACE
+
     pg = httpx.get(f"{server}/spyre/status", timeout=60).json()["placement_group"]
     table = ray_cluster.util.placement_group_table()[pg]
     assert table["strategy"] == "STRICT_PACK"
     assert list(table["bundles"].values()) == [{"CPU": 0.5}, {"spyre": 1.0}, {"spyre": 1.0}]
-    # Both spyre bundles of the replica's group are taken: the card actors run in them.
-    assert ray_cluster.cluster_resources()[f"spyre_group_{pg}"] == 2
-    deadline = time.monotonic() + 30
-    while ray_cluster.available_resources().get(f"spyre_group_{pg}", 0) != 0:
-        assert time.monotonic() < deadline, ray_cluster.available_resources()
-        time.sleep(0.5)
+    # The engine's card actors are the ones the replica started ahead of it (card_actors.py
+    # names them), one per card bundle of the replica's group: none was created twice.
+    cards = [a["Name"] for a in state.actors().values()
+             if a["ActorClassName"] == "SpyreRayWorkerWrapper" and a["State"] == "ALIVE"]
+
+    def group_of(name: str) -> str:
+        actor = ray_cluster.get_actor(name, namespace=NAMESPACE)
+        return ray_cluster.get(actor.__ray_call__.remote(
+            lambda _: __import__("ray").get_runtime_context().get_placement_group_id()))
+
+    ours = sorted(name.rsplit("-", 2)[1] + "-" + name.rsplit("-", 1)[1]
+                  for name in cards if name and group_of(name) == pg)
+    assert ours == ["rank0-bundle1", "rank1-bundle2"], cards
 
 
 def test_health_is_ok(server):

@@ -36,13 +36,17 @@ def resolve_model_once_per_node(model: str) -> str:
 @serve.ingress()
 class SpyreLLMServer:
     async def __init__(self, app_args: dict):
+        started = time.monotonic()
+        self.args = AppArgs.model_validate(app_args)
+        # First: the card actors' processes import vLLM while this replica and its
+        # EngineCore do (card_actors.py), instead of after them.
+        from spyre_serve.vllm_plugin.card_actors import CardActorsAhead
+        self.cards_ahead = CardActorsAhead(self.args.tensor_parallel_size)
         from spyre_serve.handshake.coordinator import replica_status
         from spyre_serve.vllm_plugin.engine import engine_kwargs, start_async_engine
         from spyre_serve.serve.openai_api import build_openai_app
         from spyre_serve.serve.metrics import LatestSchedulerStats, ReplicaMetrics, warmup_figures
 
-        started = time.monotonic()
-        self.args = AppArgs.model_validate(app_args)
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         # The EngineCore is a subprocess and a Ray driver of its own: point it at our cluster.
         os.environ["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address
@@ -51,18 +55,22 @@ class SpyreLLMServer:
         # for it. A real EngineCore crash is still reported by vLLM, with its exit code.
         os.environ["RAY_DISABLE_FAILURE_SIGNAL_HANDLER"] = "1"
         model_path = await asyncio.to_thread(resolve_model_once_per_node, self.args.model)
-        kwargs = engine_kwargs(**self.args.engine_kwargs_for(model_path))
+        kwargs = engine_kwargs(**self.args.engine_kwargs_for(model_path),
+                               card_actors=self.cards_ahead.prefix)
         self.latest_stats = LatestSchedulerStats()
         try:
             # In a thread, so this actor keeps answering Ray while the cards warm up.
             self.engine = await asyncio.wait_for(
                 asyncio.to_thread(start_async_engine, kwargs, stat_loggers=[self.latest_stats]),
                 self.args.engine_start_timeout_s)
-        except TimeoutError:
-            raise RuntimeError(
-                f"the engine did not finish loading, warming up and sizing its KV cache within "
-                f"engine_start_timeout_s={self.args.engine_start_timeout_s}; raise it for "
-                "slow compiles") from None
+        except BaseException as e:
+            self.cards_ahead.kill()
+            if isinstance(e, TimeoutError):
+                raise RuntimeError(
+                    f"the engine did not finish loading, warming up and sizing its KV cache "
+                    f"within engine_start_timeout_s={self.args.engine_start_timeout_s}; raise "
+                    "it for slow compiles") from None
+            raise
         self.handshake = replica_status(await self.engine.collective_rpc("spyre_status"))
         self.first_request_seconds = await self._first_request()
         self.metrics = ReplicaMetrics(self.replica_id, self.args.model_name, self.kv_blocks,

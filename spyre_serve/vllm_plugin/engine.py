@@ -17,13 +17,15 @@ ENGINE_DEFAULTS: dict[str, Any] = {"dtype": "float32", "enforce_eager": True}
 
 def engine_kwargs(model: str, *, tensor_parallel_size: int = 1, max_model_len: int = 2048,
                   max_num_seqs: int = 8, spyre: SpyreSettings | dict | None = None,
-                  **extra: Any) -> dict[str, Any]:
-    """Keyword arguments for ``vllm.LLM`` / ``AsyncEngineArgs`` that run on Spyre cards."""
+                  card_actors: str = "", **extra: Any) -> dict[str, Any]:
+    """Keyword arguments for ``vllm.LLM`` / ``AsyncEngineArgs`` that run on Spyre cards;
+    card_actors: the prefix of card actors started ahead (card_actors.CardActorsAhead)."""
     from spyre_serve.vllm_plugin.executor import SpyreRayExecutor
     from spyre_serve.vllm_plugin.platform import check_block_size
 
     settings = spyre if isinstance(spyre, SpyreSettings) else SpyreSettings.model_validate(spyre or {})
-    settings = settings.model_copy(update={"startup_id": uuid.uuid4().hex})
+    settings = settings.model_copy(update={"startup_id": uuid.uuid4().hex,
+                                           "card_actors": card_actors})
     for reserved in RESERVED_ENGINE_KWARGS:
         if reserved in extra:
             raise ValueError(f"{reserved} is set by spyre_serve; remove it from the engine kwargs")

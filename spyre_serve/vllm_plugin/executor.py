@@ -12,32 +12,15 @@ import os
 
 import ray
 from vllm.v1.executor.ray_executor import RayDistributedExecutor
-from vllm.v1.executor.ray_utils import FutureWrapper, RayWorkerWrapper
+from vllm.v1.executor.ray_utils import FutureWrapper
 
 from spyre_serve import get_logger, vllm_compat
-from spyre_serve.handshake.card import claim_card
 from spyre_serve.handshake import catalog
 from spyre_serve.handshake.coordinator import decide
+from spyre_serve.vllm_plugin import card_actors
 from spyre_serve.vllm_plugin.settings import SpyreSettings
 
 logger = get_logger(__name__)
-
-
-class SpyreRayWorkerWrapper(RayWorkerWrapper):
-    """Ray reports accelerator ids only for accelerators it knows; it does not know Spyre.
-
-    So the actor claims a free card of its node itself and reports that as its device id.
-    """
-
-    def get_node_and_physical_gpu_ids(self) -> tuple[str, list[int]]:
-        node_id = ray.get_runtime_context().get_node_id()
-        node = next(n for n in ray.nodes() if n["NodeID"] == node_id)
-        return node_id, [claim_card(node_id, int(node["Resources"].get("spyre", 0)))]
-
-
-def _spyre_worker_actors():
-    return vllm_compat.replaced("vllm.v1.executor.ray_executor:RayWorkerWrapper",
-                                lambda _: SpyreRayWorkerWrapper)
 
 
 def _driver_needs_no_card():
@@ -97,8 +80,20 @@ class SpyreRayExecutor(RayDistributedExecutor):
             super()._init_executor()
 
     def _init_workers_ray(self, placement_group, **ray_remote_kwargs) -> None:
-        with _spyre_worker_actors():
+        ahead = SpyreSettings.from_vllm_config(self.vllm_config).card_actors
+        with card_actors.spyre_worker_actors(), card_actors.adopting(ahead) as adopted:
             super()._init_workers_ray(placement_group, **ray_remote_kwargs)
+        if adopted is not None:
+            logger.info("adopted %d of %d card actors started ahead by the replica",
+                        len(adopted.adopted), len(self.workers))
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        # Actors started ahead belong to the replica and would outlive this engine; ours
+        # would end with the EngineCore anyway. Either way the cards are free after this.
+        for worker in getattr(self, "workers", []):
+            with contextlib.suppress(Exception):
+                ray.kill(worker)
 
     def determine_available_memory(self) -> list[int]:
         with _startup_errors_to_file(self.vllm_config):

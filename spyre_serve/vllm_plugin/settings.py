@@ -45,6 +45,9 @@ class SpyreSettings(BaseModel):
 
     startup_id: str = Field(
         "", description="Set by spyre_serve per engine start: names the file a startup error goes to")
+    card_actors: str = Field(
+        "", description="Set by the Serve replica: the name prefix of the card actors it "
+        "started ahead of its engine, which the executor adopts (card_actors.py)")
 
     @field_validator("card_memory_bytes")
     @classmethod

@@ -1,0 +1,170 @@
+"""The card actors: one Ray actor per Spyre card, and starting them ahead of the engine.
+
+A card actor is a fresh Ray worker process that imports vLLM (~7 s on 2 cores) before it
+can load weights. vLLM's Ray executor creates its actors only after the EngineCore
+subprocess has imported vLLM itself, so the two imports ran one after the other at every
+replica start. The Serve replica therefore starts its card actors first, one per `spyre`
+bundle of its placement group, and they import the worker's modules while the replica and
+the EngineCore start; the executor then adopts them by name where vLLM would create new
+ones. Without a replica (`LLM`, scripts) the executor creates them as vLLM does.
+
+vLLM has no way to hand its executor existing actors, so the adoption stands in for the
+`ray` module inside vLLM's executor while it creates its workers (guarded in vllm_compat).
+"""
+from __future__ import annotations
+
+import contextlib
+import uuid
+
+import ray
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from vllm.v1.executor.ray_utils import RayWorkerWrapper
+
+from spyre_serve import get_logger, vllm_compat
+from spyre_serve.handshake.card import claim_card
+
+logger = get_logger(__name__)
+NAMESPACE = "spyre_serve"
+
+
+class SpyreRayWorkerWrapper(RayWorkerWrapper):
+    """Ray reports accelerator ids only for accelerators it knows; it does not know Spyre.
+
+    So the actor claims a free card of its node itself and reports that as its device id.
+    """
+
+    def get_node_and_physical_gpu_ids(self) -> tuple[str, list[int]]:
+        node_id = ray.get_runtime_context().get_node_id()
+        node = next(n for n in ray.nodes() if n["NodeID"] == node_id)
+        return node_id, [claim_card(node_id, int(node["Resources"].get("spyre", 0)))]
+
+    def preload_worker(self) -> None:
+        """Import the rank's worker (vLLM's CPU worker and model runner) now, while the
+        engine starts elsewhere, instead of in init_worker."""
+        import spyre_serve.vllm_plugin.worker  # noqa: F401
+
+
+def spyre_worker_actors():
+    """While vLLM's executor creates its per-rank actors, they are ours."""
+    return vllm_compat.replaced("vllm.v1.executor.ray_executor:RayWorkerWrapper",
+                                lambda _: SpyreRayWorkerWrapper)
+
+
+def _name(prefix: str, rank: int, bundle: int) -> str:
+    # A rank's rpc_rank is fixed when its actor is created, so the name holds both.
+    return f"{prefix}-rank{rank}-bundle{bundle}"
+
+
+def _card_bundles(group, world_size: int) -> list[int]:
+    """The bundles vLLM's executor puts its ranks in: the first world_size with a card."""
+    from vllm.platforms import current_platform
+    key = current_platform.ray_device_key
+    return [i for i, spec in enumerate(group.bundle_specs) if spec.get(key, 0)][:world_size]
+
+
+def _actor_options(group, bundle: int) -> dict:
+    """What vLLM's executor creates a card actor with (RayDistributedExecutor._init_workers_ray),
+    but without the card resource: the placement group already holds the bundle's card for
+    this replica, and an actor started ahead that vLLM did not adopt must not keep vLLM's
+    own actor from being placed there."""
+    from vllm.platforms import current_platform
+    runtime_env = {"env_vars": {var: "1" for var in current_platform.ray_noset_device_env_vars}}
+    vllm_compat.hook("vllm.v1.executor.ray_env_utils:update_runtime_env_for_worker_import")(
+        runtime_env)
+    return {"num_cpus": 0, "num_gpus": 0,
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                placement_group=group, placement_group_capture_child_tasks=True,
+                placement_group_bundle_index=bundle),
+            "runtime_env": runtime_env}
+
+
+class CardActorsAhead:
+    """Card actors a Serve replica started in its placement group before its engine.
+
+    The replica keeps this object (Ray collects an actor once no handle is left) and passes
+    `prefix` to the executor (SpyreSettings.card_actors). The replica owns the actors: they
+    end with it, or with the engine's shutdown (the executor kills its workers)."""
+
+    def __init__(self, world_size: int):
+        group = ray.util.get_current_placement_group()
+        bundles = _card_bundles(group, world_size) if group is not None else []
+        self.prefix = f"spyre-card-{uuid.uuid4().hex[:12]}" if len(bundles) == world_size else ""
+        self.actors = []
+        for rank, bundle in enumerate(bundles if self.prefix else []):
+            actor = ray.remote(**_actor_options(group, bundle))(SpyreRayWorkerWrapper).options(
+                name=_name(self.prefix, rank, bundle), namespace=NAMESPACE).remote(rpc_rank=rank)
+            actor.preload_worker.remote()
+            self.actors.append(actor)
+
+    def kill(self) -> None:
+        """When the engine did not start: stop them now, not when Serve ends the replica."""
+        for actor in self.actors:
+            with contextlib.suppress(Exception):
+                ray.kill(actor)
+
+
+class _AdoptingRay:
+    """Stands in for `ray` inside vLLM's executor: `ray.remote(**options)(cls).remote(
+    rpc_rank=r)` returns the actor started ahead for that bundle and rank r, if there is
+    one; otherwise vLLM creates its own, and `adopting` stops the ones it did not take."""
+
+    def __init__(self, ray_module, prefix: str):
+        self._ray, self._prefix, self.adopted = ray_module, prefix, []
+
+    def __getattr__(self, name):
+        return getattr(self._ray, name)
+
+    def remote(self, *args, **options):
+        make = self._ray.remote(*args, **options)
+        strategy = options.get("scheduling_strategy")
+        bundle = getattr(strategy, "placement_group_bundle_index", None)
+        return lambda cls: _Adopter(self, make(cls), bundle)
+
+    def take(self, bundle: int | None, rank: int):
+        try:
+            actor = self._ray.get_actor(_name(self._prefix, rank, bundle), namespace=NAMESPACE)
+        except ValueError:
+            return None
+        self.adopted.append(_name(self._prefix, rank, bundle))
+        return actor
+
+    def kill_the_rest(self) -> list[str]:
+        """Kill the actors started ahead that vLLM did not ask for; return their names."""
+        rest = [a["name"] for a in self._ray.util.list_named_actors(all_namespaces=True)
+                if a["namespace"] == NAMESPACE and a["name"].startswith(self._prefix + "-")
+                and a["name"] not in self.adopted]
+        for name in rest:
+            with contextlib.suppress(ValueError):
+                self._ray.kill(self._ray.get_actor(name, namespace=NAMESPACE))
+        return rest
+
+
+class _Adopter:
+    def __init__(self, adopting: _AdoptingRay, actor_class, bundle: int | None):
+        self._adopting, self._actor_class, self._bundle = adopting, actor_class, bundle
+
+    def remote(self, *, rpc_rank: int):
+        actor = self._adopting.take(self._bundle, rpc_rank)
+        return actor if actor is not None else self._actor_class.remote(rpc_rank=rpc_rank)
+
+
+@contextlib.contextmanager
+def adopting(prefix: str):
+    """Within the block, vLLM's executor adopts the card actors started ahead under prefix."""
+    if not prefix:
+        yield None
+        return
+    holder: list[_AdoptingRay] = []
+
+    def adopting_ray(ray_module):
+        holder.append(_AdoptingRay(ray_module, prefix))
+        return holder[0]
+
+    with vllm_compat.replaced("vllm.v1.executor.ray_executor:ray", adopting_ray):
+        yield holder[0]
+    unused = holder[0].kill_the_rest()
+    if unused:
+        # vLLM created these ranks' actors itself (its executor changed how it creates
+        # them): the engine works, the start-ahead only saved nothing.
+        logger.warning("card actors started ahead but not adopted (vLLM created its own), "
+                       "stopped: %s", ", ".join(unused))
