@@ -246,8 +246,17 @@ def _catalog_actor():
     # would die (and restart empty) with the first idle node scaled down, and its being
     # there would keep that node from counting as idle.
     head = hook("ray._common.constants:HEAD_NODE_RESOURCE_NAME")
+    # Not in the caller's placement group either (a Serve replica's children default to it).
     return _CATALOG_CLASS.options(name=ACTOR_NAME, namespace=NAMESPACE, lifetime="detached",
-                                  get_if_exists=True, resources={head: 0.001}).remote()
+                                  get_if_exists=True, resources={head: 0.001},
+                                  scheduling_strategy="DEFAULT").remote()
+
+
+def start_catalog_ahead(settings) -> None:
+    """In the Serve replica, before its engine: ask for the cluster's catalog actor now, so
+    the handshake does not wait for its process to start (once per cluster)."""
+    if settings.warm_start and not settings.cache_uri:
+        _catalog_actor()
 
 
 class CatalogClient:

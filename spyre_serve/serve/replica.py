@@ -39,9 +39,12 @@ class SpyreLLMServer:
         started = time.monotonic()
         self.args = AppArgs.model_validate(app_args)
         # First: the card actors' processes import vLLM while this replica and its
-        # EngineCore do (card_actors.py), instead of after them.
+        # EngineCore do (card_actors.py), instead of after them; and the warm-start
+        # catalog's actor starts before the handshake asks it.
         from spyre_serve.vllm_plugin.card_actors import CardActorsAhead
         self.cards_ahead = CardActorsAhead(self.args.tensor_parallel_size)
+        from spyre_serve.handshake.catalog import start_catalog_ahead
+        start_catalog_ahead(self.args.spyre)
         from spyre_serve.handshake.coordinator import replica_status
         from spyre_serve.vllm_plugin.engine import engine_kwargs, start_async_engine
         from spyre_serve.serve.openai_api import build_openai_app
