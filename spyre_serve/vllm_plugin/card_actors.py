@@ -14,6 +14,7 @@ vLLM has no way to hand its executor existing actors, so the adoption stands in 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import uuid
 
 import ray
@@ -41,7 +42,7 @@ class SpyreRayWorkerWrapper(RayWorkerWrapper):
     def preload_worker(self) -> None:
         """Import the rank's worker (vLLM's CPU worker and model runner) now, while the
         engine starts elsewhere, instead of in init_worker."""
-        import spyre_serve.vllm_plugin.worker  # noqa: F401
+        importlib.import_module("spyre_serve.vllm_plugin.worker")
 
 
 def spyre_worker_actors():
