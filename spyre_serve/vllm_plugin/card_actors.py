@@ -51,6 +51,14 @@ def spyre_worker_actors():
                                 lambda _: SpyreRayWorkerWrapper)
 
 
+def stop(actors) -> None:
+    """Kill these actors now, ignoring ones already gone: the replica's failure path and the
+    engine's shutdown may both stop the same card actors."""
+    for actor in actors:
+        with contextlib.suppress(Exception):
+            ray.kill(actor)
+
+
 def _name(prefix: str, rank: int, bundle: int) -> str:
     # A rank's rpc_rank is fixed when its actor is created, so the name holds both.
     return f"{prefix}-rank{rank}-bundle{bundle}"
@@ -99,9 +107,7 @@ class CardActorsAhead:
 
     def kill(self) -> None:
         """When the engine did not start: stop them now, not when Serve ends the replica."""
-        for actor in self.actors:
-            with contextlib.suppress(Exception):
-                ray.kill(actor)
+        stop(self.actors)
 
 
 class _AdoptingRay:
@@ -109,8 +115,8 @@ class _AdoptingRay:
     rpc_rank=r)` returns the actor started ahead for that bundle and rank r, if there is
     one; otherwise vLLM creates its own, and `adopting` stops the ones it did not take."""
 
-    def __init__(self, ray_module, prefix: str):
-        self._ray, self._prefix, self.adopted = ray_module, prefix, []
+    def __init__(self, ray_module, prefix: str, started: list[str]):
+        self._ray, self._prefix, self._started, self.adopted = ray_module, prefix, started, []
 
     def __getattr__(self, name):
         return getattr(self._ray, name)
@@ -122,18 +128,17 @@ class _AdoptingRay:
         return lambda cls: _Adopter(self, make(cls), bundle)
 
     def take(self, bundle: int | None, rank: int):
+        name = _name(self._prefix, rank, bundle)
         try:
-            actor = self._ray.get_actor(_name(self._prefix, rank, bundle), namespace=NAMESPACE)
+            actor = self._ray.get_actor(name, namespace=NAMESPACE)
         except ValueError:
             return None
-        self.adopted.append(_name(self._prefix, rank, bundle))
+        self.adopted.append(name)
         return actor
 
     def kill_the_rest(self) -> list[str]:
         """Kill the actors started ahead that vLLM did not ask for; return their names."""
-        rest = [a["name"] for a in self._ray.util.list_named_actors(all_namespaces=True)
-                if a["namespace"] == NAMESPACE and a["name"].startswith(self._prefix + "-")
-                and a["name"] not in self.adopted]
+        rest = [name for name in self._started if name not in self.adopted]
         for name in rest:
             with contextlib.suppress(ValueError):
                 self._ray.kill(self._ray.get_actor(name, namespace=NAMESPACE))
@@ -150,20 +155,18 @@ class _Adopter:
 
 
 @contextlib.contextmanager
-def adopting(prefix: str):
-    """Within the block, vLLM's executor adopts the card actors started ahead under prefix."""
+def adopting(prefix: str, group, world_size: int):
+    """Within the block, vLLM's executor adopts the card actors started ahead under prefix
+    in placement group `group` (the replica named them by its card bundles, as here)."""
     if not prefix:
         yield None
         return
-    holder: list[_AdoptingRay] = []
-
-    def adopting_ray(ray_module):
-        holder.append(_AdoptingRay(ray_module, prefix))
-        return holder[0]
-
-    with vllm_compat.replaced("vllm.v1.executor.ray_executor:ray", adopting_ray):
-        yield holder[0]
-    unused = holder[0].kill_the_rest()
+    started = [_name(prefix, rank, bundle)
+               for rank, bundle in enumerate(_card_bundles(group, world_size))]
+    adopter = _AdoptingRay(ray, prefix, started)
+    with vllm_compat.replaced("vllm.v1.executor.ray_executor:ray", lambda _: adopter):
+        yield adopter
+    unused = adopter.kill_the_rest()
     if unused:
         # vLLM created these ranks' actors itself (its executor changed how it creates
         # them): the engine works, the start-ahead only saved nothing.

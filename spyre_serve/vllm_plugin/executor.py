@@ -81,7 +81,9 @@ class SpyreRayExecutor(RayDistributedExecutor):
 
     def _init_workers_ray(self, placement_group, **ray_remote_kwargs) -> None:
         ahead = SpyreSettings.from_vllm_config(self.vllm_config).card_actors
-        with card_actors.spyre_worker_actors(), card_actors.adopting(ahead) as adopted:
+        with (card_actors.spyre_worker_actors(),
+              card_actors.adopting(ahead, placement_group,
+                                   self.parallel_config.world_size) as adopted):
             super()._init_workers_ray(placement_group, **ray_remote_kwargs)
         if adopted is not None:
             logger.info("adopted %d of %d card actors started ahead by the replica",
@@ -91,9 +93,7 @@ class SpyreRayExecutor(RayDistributedExecutor):
         super().shutdown()
         # Actors started ahead belong to the replica and would outlive this engine; ours
         # would end with the EngineCore anyway. Either way the cards are free after this.
-        for worker in getattr(self, "workers", []):
-            with contextlib.suppress(Exception):
-                ray.kill(worker)
+        card_actors.stop(getattr(self, "workers", []))
 
     def determine_available_memory(self) -> list[int]:
         with _startup_errors_to_file(self.vllm_config):
