@@ -18,7 +18,8 @@ from spyre_serve.vllm_plugin.attention import (compile_cache_counts, compiled_gr
                                                install_kv_program)
 from spyre_serve.vllm_compat import hook
 from spyre_serve.vllm_plugin.settings import SpyreSettings
-from spyre_serve.vllm_plugin.warmup import WARMUP_BLOCKS, run_warmup, status_bytes
+from spyre_serve.vllm_plugin.warmup import (WARMUP_BLOCKS, release_freed_memory, run_warmup,
+                                            settled_rss)
 
 logger = get_logger(__name__)
 
@@ -44,9 +45,9 @@ class SpyreWorker(CPUWorker):
     def load_model(self, *args, **kwargs) -> None:
         # vLLM's CPU linear layers repack their weights outside model.parameters(), so what
         # the weights take is measured as the resident memory loading added.
-        before = status_bytes("VmRSS")
+        before = settled_rss()
         super().load_model(*args, **kwargs)
-        self.weights_bytes = max(0, status_bytes("VmRSS") - before)
+        self.weights_bytes = max(0, settled_rss() - before)
 
     def _model_identity(self) -> tuple[str, int]:
         return self.model_config.model, self.model_config.max_model_len
@@ -130,6 +131,9 @@ class SpyreWorker(CPUWorker):
         # EngineCore, which does): otherwise every full collection while serving walks the
         # ~670k objects of torch, vLLM and the model, a ~0.4 s stall on a decode step.
         hook("vllm.utils.gc_utils:freeze_gc_heap")()
+        # What loading and warmup freed goes back to the system before serving: a serving
+        # card otherwise keeps ~200 MiB (SmolLM2) it never uses again.
+        release_freed_memory(collect=False)  # freeze_gc_heap collected
         return result
 
     def accept_resize(self, decision: dict) -> None:
