@@ -56,14 +56,14 @@ def status_bytes(field: str) -> int:
     return 0
 
 
-def release_freed_memory(collect: bool = True) -> None:
+def release_freed_memory() -> None:
     """Hand the heap memory Python and glibc keep after frees back to the system.
 
     Loading weights and compiling free hundreds of MiB that glibc keeps mapped (900+ MiB
     resident after loading SmolLM2 against ~740 MiB held), and how much it keeps varies
     from start to start. Measured without this, a card's report of what the weights take
-    moved by up to 70 blocks between two starts of one model; a serving card kept ~200 MiB
-    it never used. glibc's malloc_trim is the only way to ask for it back."""
+    moved by up to 70 blocks between two starts of one model, and a serving card kept
+    memory it never used again. glibc's malloc_trim is the only way to ask for it back."""
     gc.collect()
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
