@@ -63,3 +63,14 @@ def test_more_sequences_than_blocks_all_finish_through_preemption(tp1, tiny_mode
 
 def test_serving_after_the_resize_compiles_nothing(tp1):
     assert_nothing_compiled_since_warmup(tp1)
+
+
+def test_card_actor_starts_with_the_libraries_vllm_preloads(tp1):
+    # vLLM's CPU platform preloads PyTorch's own libgomp into the workers it spawns; Ray
+    # starts ours, so card_actors.card_process_env hands it over (25% of a decode step).
+    import torch
+
+    rank = replica_status(tp1.collective_rpc("spyre_status"))["ranks"][0]
+    preloaded = rank["ld_preload"].split(":")
+    assert any(p.startswith(str(Path(torch.__file__).parent.parent)) and "libgomp" in p
+               for p in preloaded), rank["ld_preload"]

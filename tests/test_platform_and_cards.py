@@ -1,4 +1,5 @@
 """Platform registration, block size, backends and card claims, without an engine."""
+import os
 import re
 import subprocess
 import sys
@@ -132,3 +133,18 @@ def test_each_card_is_claimed_by_one_process_and_freed_when_it_dies():
         for p, _ in claims:
             p.kill()
             p.wait(30)
+
+
+def test_card_actors_get_vllms_cpu_preloads_keeping_what_is_set(monkeypatch):
+    import torch
+
+    from spyre_serve.vllm_plugin.card_actors import card_process_env
+
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    preload = card_process_env()["LD_PRELOAD"].split(":")
+    gomp = [p for p in preload if "libgomp" in p]
+    assert len(gomp) == 1 and gomp[0].startswith(os.path.dirname(os.path.dirname(torch.__file__)))
+    # An OpenMP runtime already chosen (by vLLM's platform or the user) is kept, not doubled.
+    monkeypatch.setenv("LD_PRELOAD", "/opt/intel/libiomp5.so")
+    preload = card_process_env()["LD_PRELOAD"].split(":")
+    assert "/opt/intel/libiomp5.so" in preload and not any("libgomp" in p for p in preload)

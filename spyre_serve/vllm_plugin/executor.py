@@ -81,6 +81,8 @@ class SpyreRayExecutor(RayDistributedExecutor):
 
     def _init_workers_ray(self, placement_group, **ray_remote_kwargs) -> None:
         ahead = SpyreSettings.from_vllm_config(self.vllm_config).card_actors
+        runtime_env = ray_remote_kwargs.setdefault("runtime_env", {})
+        runtime_env.setdefault("env_vars", {}).update(card_actors.card_process_env())
         with (card_actors.spyre_worker_actors(),
               card_actors.adopting(ahead, placement_group,
                                    self.parallel_config.world_size) as adopted):

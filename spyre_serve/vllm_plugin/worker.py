@@ -24,6 +24,15 @@ from spyre_serve.vllm_plugin.warmup import (WARMUP_BLOCKS, release_freed_memory,
 logger = get_logger(__name__)
 
 
+def _started_with(var: str) -> str:
+    try:
+        with open("/proc/self/environ", "rb") as f:
+            start_env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+    except OSError:  # not Linux: the current value is the best there is
+        return os.environ.get(var, "")
+    return start_env.get(var.encode(), b"").decode()
+
+
 class SpyreWorker(CPUWorker):
     def init_device(self) -> None:
         super().init_device()
@@ -165,4 +174,8 @@ class SpyreWorker(CPUWorker):
             # with OMP_NUM_THREADS=1 (the bench records it).
             "torch_num_threads": torch.get_num_threads(),
             "cpu_affinity": sorted(os.sched_getaffinity(0)),
+            # The OpenMP runtime and allocator the loader preloaded (card_process_env): the
+            # environment the process was started with, not os.environ, which vLLM's
+            # executor later overwrites with the driver's.
+            "ld_preload": _started_with("LD_PRELOAD"),
         }
