@@ -135,16 +135,16 @@ def test_each_card_is_claimed_by_one_process_and_freed_when_it_dies():
             p.wait(30)
 
 
-def test_card_actors_get_vllms_cpu_preloads_keeping_what_is_set(monkeypatch):
-    import torch
+
+def test_card_threads_are_the_nodes_cpus_shared_among_ranks_unless_set():
+    from pydantic import ValidationError
 
     from spyre_serve.vllm_plugin.card_actors import card_process_env
+    from spyre_serve.vllm_plugin.settings import SpyreSettings
 
-    monkeypatch.delenv("LD_PRELOAD", raising=False)
-    preload = card_process_env()["LD_PRELOAD"].split(":")
-    gomp = [p for p in preload if "libgomp" in p]
-    assert len(gomp) == 1 and gomp[0].startswith(os.path.dirname(os.path.dirname(torch.__file__)))
-    # An OpenMP runtime already chosen (by vLLM's platform or the user) is kept, not doubled.
-    monkeypatch.setenv("LD_PRELOAD", "/opt/intel/libiomp5.so")
-    preload = card_process_env()["LD_PRELOAD"].split(":")
-    assert "/opt/intel/libiomp5.so" in preload and not any("libgomp" in p for p in preload)
+    cpus = len(os.sched_getaffinity(0))
+    assert card_process_env(SpyreSettings(), 1) == {"OMP_NUM_THREADS": str(cpus)}
+    assert SpyreSettings().threads_per_card(cpus * 2) == 1  # never fewer than one
+    assert card_process_env(SpyreSettings(cpu_threads_per_card=3), 2) == {"OMP_NUM_THREADS": "3"}
+    with pytest.raises(ValidationError, match="cpu_threads_per_card"):
+        SpyreSettings(cpu_threads_per_card=-1)

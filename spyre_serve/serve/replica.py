@@ -42,7 +42,7 @@ class SpyreLLMServer:
         # EngineCore do (card_actors.py), instead of after them; and the warm-start
         # catalog's actor starts before the handshake asks it.
         from spyre_serve.vllm_plugin.card_actors import CardActorsAhead
-        self.cards_ahead = CardActorsAhead(self.args.tensor_parallel_size)
+        self.cards_ahead = CardActorsAhead(self.args.tensor_parallel_size, self.args.spyre)
         from spyre_serve.handshake.catalog import start_catalog_ahead
         start_catalog_ahead(self.args.spyre)
         from spyre_serve.handshake.coordinator import replica_status

@@ -14,9 +14,7 @@ vLLM has no way to hand its executor existing actors, so the adoption stands in 
 from __future__ import annotations
 
 import contextlib
-import glob
 import importlib
-import os
 import uuid
 
 import ray
@@ -25,6 +23,7 @@ from vllm.v1.executor.ray_utils import RayWorkerWrapper
 
 from spyre_serve import get_logger, vllm_compat
 from spyre_serve.handshake.card import claim_card
+from spyre_serve.vllm_plugin.settings import SpyreSettings
 
 logger = get_logger(__name__)
 NAMESPACE = "spyre_serve"
@@ -47,36 +46,18 @@ class SpyreRayWorkerWrapper(RayWorkerWrapper):
         importlib.import_module("spyre_serve.vllm_plugin.worker")
 
 
-def card_process_env() -> dict[str, str]:
-    """What a card actor's process must start with: the libraries vLLM's CPU platform
-    preloads into the workers it spawns itself.
+def card_process_env(settings: SpyreSettings, world_size: int) -> dict[str, str]:
+    """The environment a card actor's process starts with: its thread count.
 
-    CpuPlatform.check_and_update_config puts PyTorch's own libgomp (and vLLM's bundled
-    tcmalloc, where the wheel ships one) into LD_PRELOAD of the process that builds the
-    engine config, so its multiprocessing workers inherit it: without it, another OpenMP
-    runtime loaded first (sentencepiece's wheel brings one) serves torch's parallel regions.
-    Ray's raylet starts our card actors and passes no LD_PRELOAD on, so they ran without:
-    SmolLM2 offline, batch 1, 48 ms per token with it against 62-67 ms without (forward pass
-    37 against 47-53 ms; bench/README). vLLM writes the list inline, with no function to call,
-    so the rule is repeated here: keep what the creating process has, add what is missing."""
-    import torch
-    import vllm
-
-    preload = [p for p in os.environ.get("LD_PRELOAD", "").split(":") if p]
-    names = " ".join(os.path.basename(p) for p in preload)
-    torch_dir = os.path.dirname(torch.__file__)
-    wanted = []
-    if not any(runtime in names for runtime in ("libgomp", "libiomp", "libomp")):
-        wanted.append([os.path.join(os.path.dirname(torch_dir), "torch.libs", "libgomp*.so*"),
-                       os.path.join(torch_dir, "lib", "libgomp*.so*")])
-    if "libtcmalloc" not in names:
-        vllm_libs = os.path.join(os.path.dirname(vllm.__file__), "libs")
-        wanted.insert(0, [os.path.join(vllm_libs, "libtcmalloc_minimal*.so*"),
-                          os.path.join(vllm_libs, "libtcmalloc.so*")])
-    for patterns in wanted:
-        found = next((sorted(glob.glob(p)) for p in patterns if glob.glob(p)), [])
-        preload += found[:1]
-    return {"LD_PRELOAD": ":".join(preload)} if preload else {}
+    A card actor reserves its card, not CPUs, and Ray sets OMP_NUM_THREADS=1 in an actor that
+    reserves no CPU, so a simulated card ran its model on one thread of a node with more.
+    vLLM's own CPU worker takes the node's cores less one, which it leaves to its EngineCore
+    because that process spins while it waits for the worker; ours waits without spinning
+    (executor._execute_dag), so the cards share all of them (SpyreSettings.threads_per_card).
+    It must be in the environment the process starts with: libgomp reads it once, when
+    torch loads it. SmolLM2 offline, batch 1, 2 cores: 43-45 ms per token with 2 threads
+    against 57-59 ms with one (bench/README)."""
+    return {"OMP_NUM_THREADS": str(settings.threads_per_card(world_size))}
 
 
 def spyre_worker_actors():
@@ -105,14 +86,14 @@ def _card_bundles(group, world_size: int) -> list[int]:
     return [i for i, spec in enumerate(group.bundle_specs) if spec.get(key, 0)][:world_size]
 
 
-def _actor_options(group, bundle: int) -> dict:
+def _actor_options(group, bundle: int, env: dict[str, str]) -> dict:
     """What vLLM's executor creates a card actor with (RayDistributedExecutor._init_workers_ray),
     but without the card resource: the placement group already holds the bundle's card for
     this replica, and an actor started ahead that vLLM did not adopt must not keep vLLM's
     own actor from being placed there."""
     from vllm.platforms import current_platform
     runtime_env = {"env_vars": {**{var: "1" for var in current_platform.ray_noset_device_env_vars},
-                                **card_process_env()}}
+                                **env}}
     vllm_compat.hook("vllm.v1.executor.ray_env_utils:update_runtime_env_for_worker_import")(
         runtime_env)
     return {"num_cpus": 0, "num_gpus": 0,
@@ -129,13 +110,14 @@ class CardActorsAhead:
     `prefix` to the executor (SpyreSettings.card_actors). The replica owns the actors: they
     end with it, or with the engine's shutdown (the executor kills its workers)."""
 
-    def __init__(self, world_size: int):
+    def __init__(self, world_size: int, settings: SpyreSettings):
         group = ray.util.get_current_placement_group()
         bundles = _card_bundles(group, world_size) if group is not None else []
         self.prefix = f"spyre-card-{uuid.uuid4().hex[:12]}" if len(bundles) == world_size else ""
         self.actors = []
+        env = card_process_env(settings, world_size)
         for rank, bundle in enumerate(bundles if self.prefix else []):
-            actor = ray.remote(**_actor_options(group, bundle))(SpyreRayWorkerWrapper).options(
+            actor = ray.remote(**_actor_options(group, bundle, env))(SpyreRayWorkerWrapper).options(
                 name=_name(self.prefix, rank, bundle), namespace=NAMESPACE).remote(rpc_rank=rank)
             actor.preload_worker.remote()
             self.actors.append(actor)

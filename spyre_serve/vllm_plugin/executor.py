@@ -80,9 +80,11 @@ class SpyreRayExecutor(RayDistributedExecutor):
             super()._init_executor()
 
     def _init_workers_ray(self, placement_group, **ray_remote_kwargs) -> None:
-        ahead = SpyreSettings.from_vllm_config(self.vllm_config).card_actors
+        settings = SpyreSettings.from_vllm_config(self.vllm_config)
+        ahead = settings.card_actors
         runtime_env = ray_remote_kwargs.setdefault("runtime_env", {})
-        runtime_env.setdefault("env_vars", {}).update(card_actors.card_process_env())
+        runtime_env.setdefault("env_vars", {}).update(
+            card_actors.card_process_env(settings, self.parallel_config.world_size))
         with (card_actors.spyre_worker_actors(),
               card_actors.adopting(ahead, placement_group,
                                    self.parallel_config.world_size) as adopted):

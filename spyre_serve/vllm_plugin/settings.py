@@ -42,6 +42,10 @@ class SpyreSettings(BaseModel):
         "", description="Where each node's card compiler keeps its programs, one folder per "
         "warm-start key; `{node_id}` expands to the Ray node id (nodes that share a disk keep "
         "separate caches); empty: $TMPDIR/spyre-serve/compile-cache")
+    cpu_threads_per_card: int = Field(
+        0, ge=0, description="Threads each card actor computes with (OMP_NUM_THREADS of its "
+        "process; a simulated card's model runs on them); 0: the CPUs of the node divided "
+        "among the replica's ranks. Lower it when several replicas share a node")
 
     startup_id: str = Field(
         "", description="Set by spyre_serve per engine start: names the file a startup error goes to")
@@ -75,6 +79,10 @@ class SpyreSettings(BaseModel):
             raise ValueError(f"node label {CARD_MEMORY_LABEL}={value!r}: give the card's "
                              "memory budget as a positive number of bytes")
         return int(value)
+
+    def threads_per_card(self, world_size: int) -> int:
+        """cpu_threads_per_card, or this node's CPUs shared among world_size ranks."""
+        return self.cpu_threads_per_card or max(1, len(os.sched_getaffinity(0)) // world_size)
 
     @property
     def reports(self) -> str:

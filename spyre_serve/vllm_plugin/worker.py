@@ -24,15 +24,6 @@ from spyre_serve.vllm_plugin.warmup import (WARMUP_BLOCKS, release_freed_memory,
 logger = get_logger(__name__)
 
 
-def _started_with(var: str) -> str:
-    try:
-        with open("/proc/self/environ", "rb") as f:
-            start_env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
-    except OSError:  # not Linux: the current value is the best there is
-        return os.environ.get(var, "")
-    return start_env.get(var.encode(), b"").decode()
-
-
 class SpyreWorker(CPUWorker):
     def init_device(self) -> None:
         super().init_device()
@@ -170,12 +161,7 @@ class SpyreWorker(CPUWorker):
             "kv_cache_bytes": sum(t.numel() * t.element_size()
                                   for t in self.model_runner.kv_caches),
             "graphs_now": compiled_graphs(),
-            # Where this card's compute runs: Ray starts an actor that reserves no CPU
-            # with OMP_NUM_THREADS=1 (the bench records it).
+            # Where this card's compute runs (card_actors.card_process_env sets the count).
             "torch_num_threads": torch.get_num_threads(),
             "cpu_affinity": sorted(os.sched_getaffinity(0)),
-            # The OpenMP runtime and allocator the loader preloaded (card_process_env): the
-            # environment the process was started with, not os.environ, which vLLM's
-            # executor later overwrites with the driver's.
-            "ld_preload": _started_with("LD_PRELOAD"),
         }
