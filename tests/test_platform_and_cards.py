@@ -136,14 +136,14 @@ def test_each_card_is_claimed_by_one_process_and_freed_when_it_dies():
 
 
 
-def test_card_threads_are_the_nodes_cpus_shared_among_ranks_unless_set():
+def test_card_threads_are_the_nodes_cpus_less_one_shared_among_ranks_unless_set():
     from pydantic import ValidationError
 
     from spyre_serve.vllm_plugin.card_actors import card_process_env
     from spyre_serve.vllm_plugin.settings import SpyreSettings
 
     cpus = len(os.sched_getaffinity(0))
-    assert card_process_env(SpyreSettings(), 1) == {"OMP_NUM_THREADS": str(cpus)}
+    assert card_process_env(SpyreSettings(), 1) == {"OMP_NUM_THREADS": str(max(1, cpus - 1))}
     assert SpyreSettings().threads_per_card(cpus * 2) == 1  # never fewer than one
     assert card_process_env(SpyreSettings(cpu_threads_per_card=3), 2) == {"OMP_NUM_THREADS": "3"}
     with pytest.raises(ValidationError, match="cpu_threads_per_card"):

@@ -195,11 +195,11 @@ def test_card_actors_run_in_the_replicas_placement_group(server, ray_cluster):
     ours = sorted(name.rsplit("-", 2)[1] + "-" + name.rsplit("-", 1)[1]
                   for name in cards if name and group_of(name) == pg)
     assert ours == ["rank0-bundle1", "rank1-bundle2"], cards
-    # Started ahead by the replica, they start with their share of the node's CPUs as
-    # threads (card_actors.card_process_env), not Ray's one.
+    # Started ahead by the replica, they start with their share of the node's CPUs less
+    # one as threads (card_actors.card_process_env, the default).
     import os
     ranks = httpx.get(f"{server}/spyre/status", timeout=60).json()["ranks"]
-    share = max(1, len(os.sched_getaffinity(0)) // 2)
+    share = max(1, (len(os.sched_getaffinity(0)) - 1) // 2)
     assert [r["torch_num_threads"] for r in ranks] == [share, share]
 
 

@@ -49,14 +49,14 @@ class SpyreRayWorkerWrapper(RayWorkerWrapper):
 def card_process_env(settings: SpyreSettings, world_size: int) -> dict[str, str]:
     """The environment a card actor's process starts with: its thread count.
 
-    A card actor reserves its card, not CPUs, and Ray sets OMP_NUM_THREADS=1 in an actor that
-    reserves no CPU, so a simulated card ran its model on one thread of a node with more.
-    vLLM's own CPU worker takes the node's cores less one, which it leaves to its EngineCore
-    because that process spins while it waits for the worker; ours waits without spinning
-    (executor._execute_dag), so the cards share all of them (SpyreSettings.threads_per_card).
-    It must be in the environment the process starts with: libgomp reads it once, when
-    torch loads it. SmolLM2 offline, batch 1, 2 cores: 43-45 ms per token with 2 threads
-    against 57-59 ms with one (bench/README)."""
+    A card actor reserves its card, not CPUs, and Ray sets OMP_NUM_THREADS=1 in an actor
+    that reserves no CPU, so a simulated card ran its model on one thread however many cores
+    its node had. It now takes SpyreSettings.threads_per_card: the node's CPUs less one,
+    as vLLM's CPU worker does, leaving that one to the serving processes. On this 2-core
+    machine that is still one thread: two (cpu_threads_per_card: 2) measured faster decode
+    steps but 130-250 ms stalls in streams when the card's second thread lost its core to
+    the replica or Serve's proxy (bench/README). The count must be in the environment the
+    process starts with: libgomp reads it once, when torch loads it."""
     return {"OMP_NUM_THREADS": str(settings.threads_per_card(world_size))}
 
 

@@ -44,8 +44,10 @@ class SpyreSettings(BaseModel):
         "separate caches); empty: $TMPDIR/spyre-serve/compile-cache")
     cpu_threads_per_card: int = Field(
         0, ge=0, description="Threads each card actor computes with (OMP_NUM_THREADS of its "
-        "process; a simulated card's model runs on them); 0: the CPUs of the node divided "
-        "among the replica's ranks. Lower it when several replicas share a node")
+        "process; a simulated card's model runs on them); 0: the node's CPUs less one (left "
+        "to the replica, its EngineCore and Serve's proxy, as vLLM leaves one to its "
+        "EngineCore), divided among the replica's ranks, at least one. Lower it when several "
+        "replicas share a node")
 
     startup_id: str = Field(
         "", description="Set by spyre_serve per engine start: names the file a startup error goes to")
@@ -81,8 +83,9 @@ class SpyreSettings(BaseModel):
         return int(value)
 
     def threads_per_card(self, world_size: int) -> int:
-        """cpu_threads_per_card, or this node's CPUs shared among world_size ranks."""
-        return self.cpu_threads_per_card or max(1, len(os.sched_getaffinity(0)) // world_size)
+        """cpu_threads_per_card, or this node's CPUs less one, shared among world_size ranks."""
+        return (self.cpu_threads_per_card
+                or max(1, (len(os.sched_getaffinity(0)) - 1) // world_size))
 
     @property
     def reports(self) -> str:
