@@ -67,7 +67,6 @@ def test_serving_after_the_resize_compiles_nothing(tp1):
     assert_nothing_compiled_since_warmup(tp1)
 
 
-
 def test_the_card_computes_on_the_nodes_cpus_not_on_rays_one_thread(tp1):
     # Ray gives an actor that reserves no CPU OMP_NUM_THREADS=1; a lone TP=1 card takes
     # the CPUs of its node less one (card_actors.card_process_env), set explicitly here so

@@ -135,7 +135,6 @@ def test_each_card_is_claimed_by_one_process_and_freed_when_it_dies():
             p.wait(30)
 
 
-
 def test_card_threads_are_the_nodes_cpus_less_one_shared_among_ranks_unless_set():
     from pydantic import ValidationError
 

@@ -3,6 +3,7 @@
 One app for the whole module (engine start is the slow part): a 2-card replica whose
 simulated cards have different budgets, so the handshake has a limiting rank to show.
 """
+import os
 import time
 
 import httpx
@@ -197,7 +198,6 @@ def test_card_actors_run_in_the_replicas_placement_group(server, ray_cluster):
     assert ours == ["rank0-bundle1", "rank1-bundle2"], cards
     # Started ahead by the replica, they start with their share of the node's CPUs less
     # one as threads (card_actors.card_process_env, the default).
-    import os
     ranks = httpx.get(f"{server}/spyre/status", timeout=60).json()["ranks"]
     share = max(1, (len(os.sched_getaffinity(0)) - 1) // 2)
     assert [r["torch_num_threads"] for r in ranks] == [share, share]
