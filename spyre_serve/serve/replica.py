@@ -146,7 +146,9 @@ class SpyreLLMServer:
                                   kv["waiting_requests"])
         # With the preemptions so far: what a replica short of blocks shows, and for an
         # operator (or a test) a per-replica figure that needs no routed request.
-        return {**routing_stats(kv["usable_blocks"], block_size, demand),
+        return {**routing_stats(kv["usable_blocks"], block_size, demand,
+                                self.handshake["blocks_needed"],
+                                kv["running_requests"] + kv["waiting_requests"]),
                 "preemptions": float(kv["preemptions"])}
 
     async def status(self) -> dict:
