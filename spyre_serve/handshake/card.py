@@ -6,6 +6,7 @@ so two replicas on one node never share a card and a crashed worker frees its ca
 from __future__ import annotations
 
 import fcntl
+import functools
 import importlib
 import os
 import threading
@@ -97,7 +98,9 @@ class Card:
     def report_file(self) -> Path:
         return report_path(self.settings.reports, self.device)
 
-    def compile(self, fn: Callable) -> Callable:
+    def compiler(self) -> Callable[[Callable, tuple], Callable]:
+        """The card's compiler: (fn, example arguments) -> `fn` compiled for this card,
+        the first dimension of its tensor arguments dynamic."""
         raise NotImplementedError
 
     def compiler_ready(self) -> None:
@@ -171,20 +174,20 @@ class SimulatedCard(Card):
         super().__init__(index, rank, settings)
         self.device = f"sim{index}"
         self.memory_budget_bytes = settings.card_budget(rank, _node_labels())
-        self._isa_test: VectorIsaTest | None = None   # started by compile()
+        self._isa_test: VectorIsaTest | None = None   # started by compiler()
 
     @property
     def identity(self) -> int:
         return self.memory_budget_bytes
 
-    def compile(self, fn: Callable) -> Callable:
-        import torch
-        self._isa_test = VectorIsaTest()
+    def compiler(self) -> Callable[[Callable, tuple], Callable]:
+        from spyre_serve.vllm_plugin.attention import compile_ahead
+        self._isa_test = VectorIsaTest()  # runs while the model loads
         # No precompiled header: building it (149 MiB of ATen's vector headers) costs
-        # ~4.4 s the first time on a node, more than our two small graphs ever save with it,
+        # ~4.4 s the first time on a node, more than our small programs ever save with it,
         # and a replica autoscaled onto a fresh node always pays it. This compile only.
-        return torch.compile(fn, backend="inductor", dynamic=False,
-                             options={"cpp_cache_precompile_headers": False})
+        return functools.partial(compile_ahead,
+                                 inductor_config={"cpp_cache_precompile_headers": False})
 
     def compiler_ready(self) -> None:
         # Before the worker points TORCHINDUCTOR_CACHE_DIR at the key's cache, and in the
@@ -215,9 +218,9 @@ class SendnnCard(Card):
         super().__init__(index, rank, settings)
         self.torch_sendnn = torch_sendnn
 
-    def compile(self, fn: Callable) -> Callable:
-        import torch
-        return torch.compile(fn, backend="sendnn", dynamic=False)
+    def compiler(self) -> Callable[[Callable, tuple], Callable]:
+        from spyre_serve.vllm_plugin.attention import compile_with_dynamo
+        return compile_with_dynamo("sendnn")
 
     def publish_block_report(self, model: str, max_model_len: int,
                              measured: WarmupMeasurement) -> None:

@@ -31,7 +31,7 @@ class SpyreSettings(BaseModel):
         "", description="Where card compilers write block reports; empty: "
         "$TMPDIR/spyre-serve/reports of the node the card is on")
     compile_kv_program: bool = Field(
-        True, description="Compile the card's KV-cache program (torch.compile); off only for debugging")
+        True, description="Compile the card's KV-cache program (the card's compiler); off only for debugging")
     warm_start: bool = Field(
         True, description="Share compiled programs and block reports through the cluster's "
         "warm-start catalog, so the next replica with the same key compiles nothing")

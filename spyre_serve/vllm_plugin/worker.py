@@ -36,7 +36,7 @@ class SpyreWorker(CPUWorker):
         if index is None:
             index = devices[self.local_rank] if devices else self.local_rank
         self.card = cards.open_card(index, self.rank, self.settings)
-        install_kv_program(self.card.compile if self.settings.compile_kv_program else None)
+        install_kv_program(self.card.compiler() if self.settings.compile_kv_program else None)
         self.decision: dict | None = None
         self.warmup: dict = {}
         logger.info("rank %d owns card %s (SPYRE_DEVICES=%s)", self.rank, self.card.device,
