@@ -60,9 +60,10 @@ def write_kv_flat(flat_cache: torch.Tensor, key: torch.Tensor, value: torch.Tens
 
 def kv_step_examples(kv_heads: int, block_size: int, head_size: int,
                      dtype: torch.dtype) -> tuple:
-    """Arguments a step is traced with: 4 blocks, as at warmup, and 5 tokens. Not 1 token: a
-    traced size of 1 is fixed to 1; not a size of another dimension, which (with duck
-    shaping off, see compile_ahead) would still do no harm."""
+    """Arguments a step is traced with: 4 blocks, as at warmup, and 5 tokens. Not 1 token:
+    tracing fixes a size of 1, and the program would serve one token only. A token count
+    equal to another size (kv heads, say) is harmless: compile_ahead traces with duck
+    shaping off, so equal sizes stay separate symbols."""
     tokens = 5
     return (torch.zeros(4 * kv_heads * block_size * 2 * head_size, dtype=dtype),
             torch.zeros(tokens, kv_heads, head_size, dtype=dtype),
@@ -97,14 +98,14 @@ def compile_ahead(step: Callable, examples: tuple, inductor_config: dict | None 
     time (`torch._inductor.standalone_compile`). The artifact goes through inductor's FX
     graph cache like any inductor compile, so the warm-start catalog carries it."""
     global _programs_compiled_ahead
+    from torch._inductor import config as inductor
     from torch.fx.experimental import _config as fx_config
     from torch.fx.experimental.proxy_tensor import make_fx
 
     from spyre_serve.vllm_compat import hook
+    hook("torch.fx.experimental._config:use_duck_shape")  # registered and present
     # Traced outside inference mode, on normal tensors: tracing refuses to write into
     # inference tensors. The artifact itself runs in the forward's inference mode.
-    hook("torch.fx.experimental._config:use_duck_shape")  # registered and present
-    from torch._inductor import config as inductor
     with torch.inference_mode(False), fx_config.patch(use_duck_shape=False):
         examples = tuple(t.clone() for t in examples)
         # standalone_compile takes a graph with tensor outputs: the step's is what it wrote.
