@@ -35,14 +35,14 @@ BLOCK_BYTES = MiB
 # What the weights and warmup's activation peak take of a card (resident memory, measured
 # once freed heap memory is handed back): 42 MiB on both cards since the KV program is
 # compiled ahead of time; 72 MiB in every start before, when torch.compile's dynamo held
-# 30 MiB more. Before that hand-back it was 75.9-77.1 MiB alone and 4-7 MiB more late in a
-# full suite run (heap garbage, different at every start). The small card gets 14 MiB of room: about
-# 14 usable blocks, and room for one full-length request (4 blocks, which the handshake
-# insists on) with 10 MiB to spare should the overhead grow back. Twelve clients keep the
-# default router's share of the small card (about six requests of 2 to 4 blocks each, up
-# to 24) above what it holds, so it preempts (given 21 blocks it did not); the large
-# card's 88 MiB hold every client's request at full length (48). The handshake's own
-# figures are checked below.
+# 30 MiB more. Before that hand-back it was 75.9-77.1 MiB alone and 4-7 MiB more late in
+# a full suite run (heap garbage, different at every start). The small card gets 14 MiB
+# of room: about 14 usable blocks, and room for one full-length request (4 blocks, which
+# the handshake insists on) with 10 MiB to spare should the overhead grow back. Twelve
+# clients keep the default router's share of the small card (about six requests of 2 to
+# 4 blocks each, up to 24) above what it holds, so it preempts (given 21 blocks it did
+# not); the large card's 88 MiB hold every client's request at full length (48). The
+# handshake's own figures are checked below.
 OVERHEAD_BYTES = 42 * MiB
 SMALL_BYTES, LARGE_BYTES = OVERHEAD_BYTES + 14 * MiB, OVERHEAD_BYTES + 88 * MiB
 # A request of 128 prompt tokens and 120 generated ones ends in 4 blocks.
