@@ -77,6 +77,13 @@ ENGINE = (
          "overridden: a step runs as plain Ray actor calls, not a compiled graph whose reader "
          "spins a core; vLLM's execute_model/sample_tokens call it with these parameters",
          params=("scheduler_output", "grammar_output", "non_block")),
+    Hook("vllm.v1.executor.abstract:Executor.supports_async_scheduling",
+         "overridden: the engine may send step n+1 to the card actors while they run step n"),
+    Hook("vllm.config.scheduler:SchedulerConfig.async_scheduling",
+         "vLLM's async-scheduling decision, kept through the CPU platform's hook (which "
+         "turns it off for a worker with no round trip to hide)"),
+    Hook("vllm.v1.outputs:AsyncModelRunnerOutput",
+         "what the model runner returns under async scheduling; warmup reads it"),
     Hook("vllm.v1.executor.ray_utils:RayWorkerWrapper.execute_model_ray",
          "each rank's step, called by our executor with (scheduler_output, grammar_output)",
          params=("execute_model_input",)),

@@ -52,6 +52,17 @@ def test_block_size_is_forced_to_64(tiny_model):
     assert config.parallel_config.worker_cls == "spyre_serve.vllm_plugin.worker.SpyreWorker"
 
 
+def test_async_scheduling_is_on_unless_the_user_turns_it_off(tiny_model):
+    # vLLM's CPU platform forces it off; ours keeps vLLM's own decision (platform.py).
+    from vllm.engine.arg_utils import EngineArgs
+    default = EngineArgs(**engine_kwargs(tiny_model, max_model_len=256)).create_engine_config()
+    assert default.scheduler_config.async_scheduling is True
+    assert default.max_concurrent_batches == 2  # the EngineCore keeps two steps in flight
+    off = EngineArgs(**engine_kwargs(tiny_model, max_model_len=256, async_scheduling=False)
+                     ).create_engine_config()
+    assert off.scheduler_config.async_scheduling is False
+
+
 def test_sendnn_without_torch_sendnn_refuses_and_says_how_to_fix(tiny_model):
     if "torch_sendnn" in sys.modules:
         pytest.fail("torch_sendnn must not be importable in this test environment")

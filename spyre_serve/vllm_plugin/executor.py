@@ -75,6 +75,15 @@ class _StepOnAllRanks(FutureWrapper):
 
 
 class SpyreRayExecutor(RayDistributedExecutor):
+    @classmethod
+    def supports_async_scheduling(cls) -> bool:
+        """A step is a Ray call to each card actor, so the engine can overlap it: with
+        vLLM's async scheduling the EngineCore schedules and sends step n+1 while the cards
+        run step n, and the card actor finds the next step waiting in its queue instead of
+        idling for a round trip (the platform keeps vLLM's choice; see platform.py). vLLM's
+        own Ray executor says no only because its compiled graph does not pipeline."""
+        return True
+
     def _init_executor(self) -> None:
         with _startup_errors_to_file(self.vllm_config), _driver_needs_no_card():
             super()._init_executor()

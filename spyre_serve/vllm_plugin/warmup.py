@@ -14,6 +14,7 @@ import time
 from vllm.pooling_params import PoolingParams
 from vllm.sampling_params import SamplingParams
 from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.outputs import AsyncModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
@@ -120,6 +121,8 @@ def run_warmup(model_runner, vllm_config, kv_cache_config) -> dict:
             output = model_runner.execute_model(scheduler_output)
             if output is None:
                 output = model_runner.sample_tokens(None)
+            if isinstance(output, AsyncModelRunnerOutput):  # the runner under async scheduling
+                output = output.get_output()
             scheduler.update_from_output(scheduler_output, output)
             steps += 1
         if deploy_round and tracked:
