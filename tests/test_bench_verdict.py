@@ -93,6 +93,18 @@ def test_short_outputs_make_the_run_invalid():
     assert "short" in judged["verdict"]["reasons"][0]
 
 
+def test_a_stream_held_back_makes_the_run_invalid():
+    result = clean_pair([100] * 3, [100] * 3)
+    repeats = result["servers"]["vllm"]["phases"][PHASE]["repeats"]
+    for repeat, client_itl in zip(repeats, (2.0, 0.0, 1.9)):
+        repeat["load"]["itl_ms_p50"] = client_itl
+        repeat["scheduler"] = {"server_itl_ms_mean": 1.8}
+    judged = verdict.judge_model(result)
+    assert judged["verdict"]["verdict"] == "INVALID"
+    (problem,) = judged["validity"]["problems"]  # repeats 1 and 3 streamed as generated
+    assert "vllm" in problem and "repeat 2" in problem and "held back" in problem
+
+
 def test_unequal_kv_blocks_make_the_run_invalid():
     result = clean_pair([100] * 3, [100] * 3)
     result["servers"]["vllm"]["sessions"][2]["settings"]["kv_blocks"] = 65
