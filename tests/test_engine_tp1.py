@@ -78,6 +78,6 @@ def test_the_card_computes_on_the_nodes_cpus_not_on_rays_one_thread(tp1):
 def test_the_engine_sends_the_next_step_while_the_card_runs_this_one(tp1):
     # vLLM's CPU platform turns async scheduling off; a card actor is a Ray round trip
     # away, which it hides, so the platform keeps vLLM's default. The greedy and
-    # preemption tests above ran under it; this checks the rank really did.
+    # preemption tests above ran under it; this checks the rank's own config says so.
     rank = replica_status(tp1.collective_rpc("spyre_status"))["ranks"][0]
     assert rank["async_scheduling"] is True

@@ -81,7 +81,7 @@ class SpyreRayExecutor(RayDistributedExecutor):
         vLLM's async scheduling the EngineCore schedules and sends step n+1 while the cards
         run step n, and the card actor finds the next step waiting in its queue instead of
         idling for a round trip (the platform keeps vLLM's choice; see platform.py). vLLM's
-        own Ray executor says no only because its compiled graph does not pipeline."""
+        own (compiled-graph) Ray executor says no; ours sends plain Ray calls instead."""
         return True
 
     def _init_executor(self) -> None:

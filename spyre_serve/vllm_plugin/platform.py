@@ -70,11 +70,11 @@ class SpyrePlatform(CpuPlatform):
         parallel_config = vllm_config.parallel_config
         if parallel_config.worker_cls == "auto":
             parallel_config.worker_cls = WORKER_CLS
-        # vLLM's CPU platform turns async scheduling off: its CPU worker runs in the engine's
-        # process (or one it waits on), so there is nothing to overlap. A card actor is a
-        # Ray round trip away, which async scheduling hides (tiny model, batch 1, offline:
-        # 3.17 -> 2.30 ms a step). vLLM's own decision stands: on unless the user said
-        # `async_scheduling: false` or the model rules it out (pooling, some spec decoding).
+        # vLLM's CPU platform turns async scheduling off ("not required on CPU"). A card
+        # actor is a Ray round trip away, which async scheduling hides (tiny model, batch
+        # 1, offline: 3.17 -> 2.30 ms a step). vLLM's own decision stands: on unless the
+        # user said `async_scheduling: false` or the model rules it out (pooling, some
+        # speculative decoding).
         async_scheduling = vllm_config.scheduler_config.async_scheduling
         super().check_and_update_config(vllm_config)
         vllm_config.scheduler_config.async_scheduling = async_scheduling

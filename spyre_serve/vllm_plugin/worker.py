@@ -161,8 +161,10 @@ class SpyreWorker(CPUWorker):
             "kv_cache_bytes": sum(t.numel() * t.element_size()
                                   for t in self.model_runner.kv_caches),
             "graphs_now": compiled_graphs(),
-            # Whether the engine sends step n+1 while this card runs step n (platform.py).
-            "async_scheduling": self.model_runner.use_async_scheduling,
+            # Whether the engine sends step n+1 while this card runs step n (platform.py):
+            # the field of this rank's config that its model runner is built from (the
+            # runner's own copy is a private attribute with no hook to guard it).
+            "async_scheduling": self.vllm_config.scheduler_config.async_scheduling,
             # Where this card's compute runs (card_actors.card_process_env sets the count).
             "torch_num_threads": torch.get_num_threads(),
             "cpu_affinity": sorted(os.sched_getaffinity(0)),
