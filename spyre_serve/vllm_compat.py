@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import inspect
+import os
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 
@@ -200,6 +201,39 @@ def hook(path: str):
         if h.path == path:
             return h.resolve()
     raise KeyError(f"{path} is not a registered hook: add it to spyre_serve/vllm_compat.py")
+
+
+def dataclass_field_names(module: str, cls: str) -> set[str]:
+    """The field names of dataclass `module:cls`, read from its source without importing it.
+
+    `serve run` checks engine_kwargs against vLLM's AsyncEngineArgs in Ray Serve's app-build
+    task, a fresh process: importing vllm.engine.arg_utils there took ~6 s of every start,
+    before Serve even added a replica. A field is an annotated name in the class body (not a
+    ClassVar), and a class has its bases' fields when they are in the same module, which is
+    how vLLM writes its argument dataclasses. tests/test_vllm_compat.py checks the result
+    against `dataclasses.fields` of the imported class, so a vLLM that writes them otherwise
+    fails there, not in a user's config."""
+    import ast
+    from importlib.util import find_spec
+    package, *rest = module.split(".")
+    # find_spec of a submodule would import its packages (vllm/__init__ is most of the cost).
+    root = find_spec(package).submodule_search_locations[0]
+    source = os.path.join(root, *rest) + ".py"
+    with open(source) as f:
+        tree = ast.parse(f.read(), source)
+    classes = {node.name: node for node in tree.body if isinstance(node, ast.ClassDef)}
+
+    def fields(name: str) -> set[str]:
+        node = classes[name]
+        names = set().union(*(fields(base.id) for base in node.bases
+                              if isinstance(base, ast.Name) and base.id in classes))
+        for item in node.body:
+            if (isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name)
+                    and "ClassVar" not in ast.unparse(item.annotation)):
+                names.add(item.target.id)
+        return names
+
+    return fields(cls)
 
 
 @contextlib.contextmanager

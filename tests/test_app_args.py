@@ -177,6 +177,14 @@ def test_example_cluster_configs_declare_spyre_and_valid_app_args():
     assert '\\"spyre\\": 8' in group["rayStartParams"]["resources"]
     cluster = yaml.safe_load(open("examples/ray-cluster.yaml"))
     assert cluster["available_node_types"]["spyre_8x"]["resources"]["spyre"] == 8
+    # Their nodes run Serve as the nodes spyre-serve starts do (the image sets it for KubeRay).
+    from spyre_serve.ops.cli import SERVE_NODE_ENV
+    starts = [c for key in ("head_start_ray_commands", "worker_start_ray_commands")
+              for c in cluster[key] if "ray start" in c]
+    containerfile = open("Containerfile").read()
+    for name, value in SERVE_NODE_ENV.items():
+        assert all(f"{name}={value} " in c for c in starts), starts
+        assert f"ENV {name}={value}" in containerfile
 
 
 def test_container_image_installs_through_the_ci_install_script():
@@ -191,3 +199,28 @@ def test_container_image_installs_through_the_ci_install_script():
     for example in ("kuberay-rayservice.yaml",):
         text = (root / "examples" / example).read_text()
         assert "image: spyre-serve:0.1.0" in text and "registry.example.com" not in text
+
+
+def test_serves_app_build_validates_engine_kwargs_without_importing_vllm():
+    # Serve builds the app in a fresh process before it adds a replica: an import of vLLM
+    # there (~6 s) was on every start's path. A typo is still refused there (above).
+    import subprocess
+    import sys
+    from pathlib import Path
+    code = (
+        "import sys\n"
+        "from ray.serve._private.api import call_user_app_builder_with_args_if_necessary\n"
+        "from deployments.openai_app import build_app\n"
+        "call_user_app_builder_with_args_if_necessary(build_app, {'engine_kwargs': "
+        "{'num_gpu_blocks_override': 64}, 'frontend_kwargs': {}})\n"
+        "print(sorted(m for m in ('vllm', 'torch') if m in sys.modules))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, cwd=str(Path(__file__).parents[1]))
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stderr[-2000:]
+
+
+def test_nodes_spyre_serve_starts_run_serves_proxy_over_grpc_unless_told_otherwise():
+    from spyre_serve.ops.cli import node_env
+    assert node_env({"PATH": "/bin"})["RAY_SERVE_PROXY_USE_GRPC"] == "1"
+    assert node_env({"RAY_SERVE_PROXY_USE_GRPC": "0"})["RAY_SERVE_PROXY_USE_GRPC"] == "0"
+    assert node_env({"PATH": "/bin"})["PATH"] == "/bin"

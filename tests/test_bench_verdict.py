@@ -238,3 +238,17 @@ def test_sessions_combine_into_a_judged_table():
     assert result["verdict"]["verdict"] == "PASS"
     text = report.table("tiny", result)
     assert "verdict: PASS" in text and "short_outputs" in text and "EngineCore 9 threads" in text
+
+
+def test_async_scheduling_is_what_the_ranks_report_before_what_the_cpu_platform_forces():
+    # spyre_serve's platform keeps vLLM's choice where the CPU platform turns it off: the
+    # bench showed "False" for a server whose ranks all ran with it on.
+    import runs
+    status = {"ranks": [{"rank": 0, "async_scheduling": True},
+                        {"rank": 1, "async_scheduling": True}]}
+    assert runs.async_scheduling_of({}, status) == {
+        "async_scheduling": True, "async_scheduling_source": "/spyre/status"}
+    mixed = {"ranks": [{"async_scheduling": True}, {"async_scheduling": False}]}
+    assert runs.async_scheduling_of({}, mixed)["async_scheduling"] is False
+    logged = runs.async_scheduling_of({"async_scheduling": "False"}, {"ranks": [{}]})
+    assert logged == {"async_scheduling": False, "async_scheduling_source": "server log"}

@@ -42,6 +42,19 @@ def client(server):
     return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", timeout=300, max_retries=0)
 
 
+def test_the_proxy_runs_with_serves_grpc_transport_on(server, ray_cluster):
+    # spyre-serve's Ray nodes (and this suite's) run Serve's proxy with
+    # RAY_SERVE_PROXY_USE_GRPC=1 (cli.SERVE_NODE_ENV), which Serve reads when the proxy
+    # starts: the streams of this module go over gRPC. This checks the setting reached it.
+    import psutil
+    from ray._private.state import actors  # the proxy's pid; no dashboard in the suite
+    proxies = [a for a in actors().values()
+               if a["ActorClassName"] == "ProxyActor" and a["State"] == "ALIVE"]
+    assert proxies
+    for proxy in proxies:
+        assert psutil.Process(proxy["Pid"]).environ().get("RAY_SERVE_PROXY_USE_GRPC") == "1"
+
+
 def test_models_lists_the_served_name(client):
     (model,) = client.models.list().data
     assert model.id == MODEL

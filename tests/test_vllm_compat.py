@@ -29,3 +29,12 @@ def test_only_registered_hooks_can_be_swapped():
     with pytest.raises(KeyError, match="not a registered hook"):
         with vllm_compat.replaced("vllm.v1.executor.ray_executor:RayWorkerWrapperX", id):
             pass
+
+
+def test_engine_arg_names_read_from_source_are_the_dataclass_fields():
+    # `serve run` reads them from vLLM's source so its app-build task needs no vLLM import.
+    import dataclasses
+
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    read = vllm_compat.dataclass_field_names("vllm.engine.arg_utils", "AsyncEngineArgs")
+    assert read == {f.name for f in dataclasses.fields(AsyncEngineArgs)}

@@ -105,6 +105,23 @@ def start_command(cards: int, num_cpus: int | None, port: int,
     return cmd
 
 
+# Ray Serve settings of the node's processes, read when each process imports Serve (the
+# proxy is started by Serve's controller, so an app's runtime_env cannot reach it). A value
+# already in the environment wins.
+# RAY_SERVE_PROXY_USE_GRPC: the HTTP proxy sends each request to its replica over the
+# replica's inter-deployment gRPC server, and streamed chunks come back over it, instead of
+# as a Ray actor call whose streamed items each pass through both core workers (what
+# Ray's RAY_SERVE_THROUGHPUT_OPTIMIZED mode turns on, without its direct ingress, which
+# refuses our KV-capacity router). Measured (bench/README): ~35% less proxy CPU and ~25%
+# less replica CPU per streamed token, tokens/s +19% at concurrency 1 and 4 on the tiny model.
+SERVE_NODE_ENV = {"RAY_SERVE_PROXY_USE_GRPC": "1"}
+
+
+def node_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment a Ray node started by spyre-serve runs its processes with."""
+    return {**SERVE_NODE_ENV, **(os.environ if env is None else env)}
+
+
 def say(message: str) -> None:
     print(f"spyre-serve: {message}", file=sys.stderr, flush=True)
 
@@ -151,11 +168,13 @@ def start_head(cards: int | None, num_cpus: int | None, port: int, temp_dir: str
     Ray behind. Detached: it outlives us, for `spyre-serve start`.
     """
     cmd = start_command(announce_cards(cards), num_cpus, port, temp_dir) + ["--block"]
+    env = node_env()
     if detached_log is None:
-        head = subprocess.Popen(cmd, process_group=0, preexec_fn=die_with_parent)
+        head = subprocess.Popen(cmd, process_group=0, preexec_fn=die_with_parent, env=env)
     else:
         head = subprocess.Popen(cmd, start_new_session=True, stdin=subprocess.DEVNULL,
-                                stdout=open(detached_log, "ab"), stderr=subprocess.STDOUT)
+                                stdout=open(detached_log, "ab"), stderr=subprocess.STDOUT,
+                                env=env)
     address = head_address(port)
     deadline = time.monotonic() + 180
     while running_cluster_at(address) is None:

@@ -78,8 +78,9 @@ class AppArgs(BaseModel):
         if kwargs:
             _refuse_unknown("engine_kwargs", kwargs, _vllm_engine_arg_names(),
                             "an argument of vLLM's AsyncEngineArgs")
+        if "block_size" in kwargs:
             from spyre_serve.vllm_plugin.platform import check_block_size
-            check_block_size(kwargs.get("block_size"))
+            check_block_size(kwargs["block_size"])
         return kwargs
 
     @field_validator("frontend_kwargs")
@@ -89,6 +90,8 @@ class AppArgs(BaseModel):
             if key in _NOT_UNDER_SERVE:
                 raise ValueError(f"frontend_kwargs.{key} belongs to the HTTP server, which is "
                                  "Ray Serve's here: set http_options in serve_config.yaml")
+        if not kwargs:  # nothing to check: vLLM's import stays out of `serve run`'s build
+            return kwargs
         _refuse_unknown("frontend_kwargs", kwargs, _vllm_frontend_arg_names(),
                         "one of vLLM's frontend options")
         if isinstance(kwargs.get("api_key"), str):
@@ -205,7 +208,6 @@ def _vllm_frontend_arg_names() -> set[str]:
 
 
 def _vllm_engine_arg_names() -> set[str]:
-    import dataclasses
-
-    from vllm.engine.arg_utils import AsyncEngineArgs
-    return {f.name for f in dataclasses.fields(AsyncEngineArgs)}
+    # From vLLM's source, not its import: this runs in Serve's app-build task (vllm_compat).
+    from spyre_serve.vllm_compat import dataclass_field_names
+    return dataclass_field_names("vllm.engine.arg_utils", "AsyncEngineArgs")

@@ -155,11 +155,11 @@ def start_ray_head(temp_dir: Path, port: int, log: Path, *, cards: int, num_cpus
 
     from ray.util import get_node_ip_address
 
-    from spyre_serve.ops.cli import start_command
+    from spyre_serve.ops.cli import node_env, start_command
     command = start_command(cards, num_cpus, port, str(temp_dir)) + [
         "--block", "--include-dashboard=false", *extra]
-    head = subprocess.Popen(command, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    head = subprocess.Popen(command, env=node_env(env), stdout=open(log, "w"),
+                            stderr=subprocess.STDOUT, start_new_session=True)
     # The head binds the node IP, not 127.0.0.1.
     return head, f"{get_node_ip_address()}:{port}"
 
