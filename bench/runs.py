@@ -224,13 +224,18 @@ def read_settings(server, status: dict | None) -> dict:
     return {**metrics.kv_blocks_of(info, status, facts, BLOCK_SIZE),
             "block_size": metrics._int_or_none(info.get("block_size")),
             "dtype": facts["dtype"], "kv_cache_dtype": info.get("cache_dtype"),
-            **async_scheduling_of(facts),
+            **async_scheduling_of(facts, status),
             "threads": thread_settings(server, status)}
 
 
-def async_scheduling_of(facts: dict) -> dict:
-    """What the log says; else what the installed vLLM's CPU platform, which both servers
-    run on, forces (vLLM's config line does not print async_scheduling)."""
+def async_scheduling_of(facts: dict, status: dict | None = None) -> dict:
+    """What spyre_serve's ranks say (/spyre/status: its platform keeps vLLM's choice,
+    where the CPU platform turns it off); else what the log says; else what the installed
+    vLLM's CPU platform, which plain vLLM runs on, forces (vLLM's config line does not
+    print async_scheduling)."""
+    ranks = [r.get("async_scheduling") for r in (status or {}).get("ranks", [])]
+    if ranks and all(isinstance(r, bool) for r in ranks):
+        return {"async_scheduling": all(ranks), "async_scheduling_source": "/spyre/status"}
     if facts.get("async_scheduling") in ("True", "False"):
         return {"async_scheduling": facts["async_scheduling"] == "True",
                 "async_scheduling_source": "server log"}
