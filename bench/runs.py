@@ -20,6 +20,8 @@ from pathlib import Path
 import httpx
 import psutil
 
+from spyre_serve.vllm_plugin.card_actors import CARD_ACTOR_CLASSES
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import loadgen  # noqa: E402
@@ -137,6 +139,10 @@ async def run_phase(server, phase: dict, args, profile: bool = False) -> dict:
     }
 
 
+def is_card_actor(process_name: str) -> bool:
+    return any(name in process_name for name in CARD_ACTOR_CLASSES)
+
+
 def pin_card_actor(server) -> dict:
     """Every thread of the card actors on CPU 0, every thread of the rest on the others."""
     cpus = sorted(os.sched_getaffinity(0))
@@ -144,7 +150,7 @@ def pin_card_actor(server) -> dict:
     pinned = {}
     for p in server.processes():
         try:
-            target = card if "SpyreRayWorker" in p.name() else rest
+            target = card if is_card_actor(p.name()) else rest
             for thread in p.threads():
                 os.sched_setaffinity(thread.id, target)
             pinned[f"{p.name()}[{p.pid}]"] = sorted(target)
@@ -181,7 +187,7 @@ def cpu_seconds_by_role(processes) -> dict[str, float]:
 
 # Processes whose threads matter: where the model runs (spyre_serve's card actor, vLLM's
 # EngineCore, which holds plain vLLM's CPU worker), and what feeds it.
-THREAD_ROLES = ("SpyreRayWorker", "EngineCore", "ServeReplica", "ProxyActor", "APIServer")
+THREAD_ROLES = (*CARD_ACTOR_CLASSES, "EngineCore", "ServeReplica", "ProxyActor", "APIServer")
 
 
 def thread_settings(server, status: dict | None) -> dict:
@@ -259,7 +265,7 @@ def cpu_platform_disables_async_scheduling() -> bool | None:
 
 def start_py_spy(server) -> list[tuple[subprocess.Popen, str]]:
     """py-spy on the replica, its EngineCore and the card actor: where our CPU goes."""
-    wanted = ("ServeReplica", "EngineCore", "SpyreRayWorker", "ProxyActor")
+    wanted = ("ServeReplica", "EngineCore", *CARD_ACTOR_CLASSES, "ProxyActor")
     profilers = []
     for p in server.processes():
         try:

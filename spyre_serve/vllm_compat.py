@@ -64,7 +64,8 @@ ENGINE = (
          "(ray.remote(**options)(RayWorkerWrapper).remote(rpc_rank=r)): stood in for while it "
          "does, so it adopts the card actors the replica started ahead (card_actors.py)"),
     Hook("vllm.v1.executor.ray_env_utils:update_runtime_env_for_worker_import",
-         "the runtime env vLLM gives each card actor; card actors started ahead get the same"),
+         "the runtime env vLLM gives each card actor: card actors started ahead (without "
+         "it) are adopted only while it adds nothing"),
     Hook("vllm.v1.executor.ray_executor:initialize_ray_cluster",
          "a module global: wrapped to lift the 'driver on a placement-group node' rule, which "
          "guards GPUs and refuses fine groups where raylets share a host",

@@ -204,16 +204,19 @@ def test_container_image_installs_through_the_ci_install_script():
 def test_serves_app_build_validates_engine_kwargs_without_importing_vllm():
     # Serve builds the app in a fresh process before it adds a replica: an import of vLLM
     # there (~6 s) was on every start's path. A typo is still refused there (above).
-    import subprocess
-    import sys
-    from pathlib import Path
-    code = (
-        "import sys\n"
+    assert_imports_neither_vllm_nor_torch(
         "from ray.serve._private.api import call_user_app_builder_with_args_if_necessary\n"
         "from deployments.openai_app import build_app\n"
         "call_user_app_builder_with_args_if_necessary(build_app, {'engine_kwargs': "
-        "{'num_gpu_blocks_override': 64}, 'frontend_kwargs': {}})\n"
-        "print(sorted(m for m in ('vllm', 'torch') if m in sys.modules))\n")
+        "{'num_gpu_blocks_override': 64}, 'frontend_kwargs': {}})\n")
+
+
+def assert_imports_neither_vllm_nor_torch(code: str) -> None:
+    """Run `code` in a fresh interpreter; neither vLLM nor torch may be imported after it."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    code += "import sys\nprint(sorted(m for m in ('vllm', 'torch') if m in sys.modules))\n"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, cwd=str(Path(__file__).parents[1]))
     assert out.stdout.strip().splitlines()[-1] == "[]", out.stderr[-2000:]
@@ -224,3 +227,11 @@ def test_nodes_spyre_serve_starts_run_serves_proxy_over_grpc_unless_told_otherwi
     assert node_env({"PATH": "/bin"})["RAY_SERVE_PROXY_USE_GRPC"] == "1"
     assert node_env({"RAY_SERVE_PROXY_USE_GRPC": "0"})["RAY_SERVE_PROXY_USE_GRPC"] == "0"
     assert node_env({"PATH": "/bin"})["PATH"] == "/bin"
+
+
+def test_a_replica_starts_its_card_actors_before_it_imports_vllm():
+    # The card actors import vLLM while the replica does, instead of after (card_actors.py):
+    # only if the replica and what it calls first import neither vLLM nor torch.
+    assert_imports_neither_vllm_nor_torch(
+        "import spyre_serve.serve.replica, spyre_serve.vllm_plugin.card_actors\n"
+        "import spyre_serve.handshake.catalog\n")

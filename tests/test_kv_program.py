@@ -94,8 +94,8 @@ def test_resizing_the_cache_reuses_the_program_compiled_on_4_blocks(compiler):
 PICK = """
 import sys
 if sys.argv[1] == "ours":  # as the card does: the test in a thread, applied in this one
-    from spyre_serve.handshake.card import VectorIsaTest
-    VectorIsaTest().apply()
+    from spyre_serve.handshake.card import CompilerSetup
+    CompilerSetup.start().apply()
 from torch._inductor.cpu_vec_isa import pick_vec_isa
 print(pick_vec_isa())
 """
@@ -123,3 +123,42 @@ def test_the_simulated_compiler_tests_one_vector_isa_and_picks_inductors(tmp_pat
                              and source.with_suffix(".so").exists())
     assert picked["ours"] == picked["inductor"] != "INVALID_VEC_ISA", picked
     assert libraries["ours"] == 1 <= libraries["inductor"], libraries
+
+
+WARM = """
+import json, torch
+from spyre_serve.handshake.card import CompilerSetup, SimulatedCard
+from spyre_serve.vllm_plugin.attention import (compile_cache_counts, compiled_graphs,
+                                               make_kv_program, write_kv_flat)
+from spyre_serve.vllm_plugin.settings import SpyreSettings
+CompilerSetup.start(warm_compile=True)   # as a card actor started ahead does
+card = SimulatedCard(0, 0, SpyreSettings())
+program = make_kv_program(card.compiler())  # joins the setup already running
+card.compiler_ready()
+since = compile_cache_counts()
+kv = torch.zeros(4, 2, 64, 64)
+reference = kv.clone()
+key, value = torch.randn(3, 2, 32), torch.randn(3, 2, 32)
+slots = torch.tensor([0, 65, 200])
+program(kv, key, value, slots)
+write_kv_flat(reference.view(-1), key, value, slots, kv_heads=2, block_size=64, head_size=32)
+print(json.dumps({"equal": bool(torch.equal(kv, reference)), "graphs": compiled_graphs(),
+                  "counted": compile_cache_counts(since), "all": compile_cache_counts()}))
+"""
+
+
+@pytest.mark.slow
+def test_the_compilers_warm_up_compile_is_paid_ahead_and_not_counted(tmp_path):
+    """A card actor started ahead compiles a throwaway program before warmup: it takes
+    inductor's first-compile setup off warmup's path, and neither the program count (the
+    no-recompile check) nor warmup's cache counts (a warm start compiles nothing) see it."""
+    import json
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}
+    run = subprocess.run([sys.executable, "-c", WARM], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert out["equal"]
+    assert out["graphs"] == 1
+    assert out["counted"] == {"hits": 0, "misses": 1}
+    assert out["all"]["misses"] == 2   # the warm-up compile did run, on a cold cache

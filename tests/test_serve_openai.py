@@ -190,7 +190,7 @@ def test_metrics_expose_spyre_and_vllm_kv_figures(server):
 def test_card_actors_run_in_the_replicas_placement_group(server, ray_cluster):
     from ray._private import state
 
-    from spyre_serve.vllm_plugin.card_actors import NAMESPACE
+    from spyre_serve.vllm_plugin.card_actors import NAMESPACE, CardActor
 
     pg = httpx.get(f"{server}/spyre/status", timeout=60).json()["placement_group"]
     table = ray_cluster.util.placement_group_table()[pg]
@@ -199,7 +199,7 @@ def test_card_actors_run_in_the_replicas_placement_group(server, ray_cluster):
     # The engine's card actors are the ones the replica started ahead of it (card_actors.py
     # names them), one per card bundle of the replica's group: none was created twice.
     cards = [a["Name"] for a in state.actors().values()
-             if a["ActorClassName"] == "SpyreRayWorkerWrapper" and a["State"] == "ALIVE"]
+             if a["ActorClassName"] == CardActor.__name__ and a["State"] == "ALIVE"]
 
     def group_of(name: str) -> str:
         actor = ray_cluster.get_actor(name, namespace=NAMESPACE)

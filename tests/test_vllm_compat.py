@@ -38,3 +38,27 @@ def test_engine_arg_names_read_from_source_are_the_dataclass_fields():
     from vllm.engine.arg_utils import AsyncEngineArgs
     read = vllm_compat.dataclass_field_names("vllm.engine.arg_utils", "AsyncEngineArgs")
     assert read == {f.name for f in dataclasses.fields(AsyncEngineArgs)}
+
+
+def test_a_card_actor_started_ahead_answers_every_call_vllms_executor_makes_on_a_worker():
+    """A replica starts its card actors before it imports vLLM, as CardActor (a holder of
+    vLLM's worker wrapper); vLLM's executor then calls methods on those actors' handles.
+    Each `<worker>.<method>.remote(...)` or `.bind(...)` in its source must be a method
+    CardActor has, or an adopted actor would fail on it."""
+    import ast
+    import inspect
+
+    import vllm.v1.executor.ray_executor as ray_executor
+
+    from spyre_serve.vllm_plugin.card_actors import CardActor
+    from spyre_serve.vllm_plugin.executor import SpyreRayExecutor
+
+    called = set()
+    for source in (inspect.getsource(ray_executor), inspect.getsource(SpyreRayExecutor)):
+        for node in ast.walk(ast.parse(source)):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr in ("remote", "bind")
+                    and isinstance(node.func.value, ast.Attribute)):
+                called.add(node.func.value.attr)
+    assert {"get_node_ip", "execute_method", "execute_model_ray"} <= called, called
+    assert called <= set(vars(CardActor)), called - set(vars(CardActor))

@@ -134,32 +134,67 @@ def _picked_vector_isa_builds() -> bool:
     return chosen in usable and chosen.check_build(hook(module + "VecISA._avx_code"))
 
 
-class VectorIsaTest:
-    """Before its first CPU compile, inductor builds and loads a test library for every
-    vector ISA the CPU lists (here AMX, AVX512-VNNI, AVX512, AVX2: ~7 s of g++ on 2 cores,
-    at each cold start on a node), then uses one. This tests that one alone, in a thread
-    (mostly g++ in a subprocess, so it runs beside the weights loading); `apply()` then
-    tells inductor the listed ISAs are usable (`cpp.vec_isa_ok`), so it picks the same one
-    untested. If the test fails, inductor tests them all, as before. Torch has no switch
-    for "test only the one you pick", hence this."""
+class CompilerSetup:
+    """The simulated card's compiler setup, once per process, in a thread.
 
-    def __init__(self):
+    1. Before its first CPU compile, inductor builds and loads a test library for every
+       vector ISA the CPU lists (here AMX, AVX512-VNNI, AVX512, AVX2: ~7 s of g++ on 2
+       cores, at each cold start on a node), then uses one. This tests that one alone;
+       `apply()` then tells inductor the listed ISAs are usable (`cpp.vec_isa_ok`), so it
+       picks the same one untested. If the test fails, inductor tests them all, as before.
+       Torch has no switch for "test only the one you pick", hence this.
+    2. With `warm_compile`, it then compiles a throwaway program
+       (attention.warm_up_compiler): a card actor the replica starts ahead (card_actors)
+       does this while the EngineCore imports vLLM, and warmup's compile finds inductor's
+       setup done.
+
+    It runs beside the weights loading or the engine's start (mostly g++ in a subprocess)."""
+
+    _started: CompilerSetup | None = None
+    INDUCTOR_CONFIG = {
+        # No precompiled header: building it (149 MiB of ATen's vector headers) costs
+        # ~4.4 s the first time on a node, more than our small programs ever save with it,
+        # and a replica autoscaled onto a fresh node always pays it. Our compiles only.
+        "cpp_cache_precompile_headers": False}
+
+    @classmethod
+    def start(cls, warm_compile: bool = False) -> CompilerSetup:
+        """This process's setup, started by the first caller (a later one joins it)."""
+        if cls._started is None:
+            cls._started = cls(warm_compile)
+        return cls._started
+
+    def __init__(self, warm_compile: bool):
         self.passed = False
-        self._thread = threading.Thread(target=self._run, name="inductor-isa-test",
+        self._warm_compile = warm_compile
+        self._thread = threading.Thread(target=self._run, name="inductor-compiler-setup",
                                         daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         self.passed = _picked_vector_isa_builds()
+        if not self._warm_compile:
+            return
+        from spyre_serve.vllm_plugin.attention import warm_up_compiler
+        try:
+            self._apply_isa()
+            warm_up_compiler(self.INDUCTOR_CONFIG)
+        except Exception as e:  # noqa: BLE001 - only time is lost; warmup's compile reports
+            logger.warning("the compiler's warm-up compile failed (%s: %s); warmup "
+                           "compiles cold", type(e).__name__, e)
 
-    def apply(self) -> None:
-        """Call from the thread that compiles: torch keeps inductor settings per thread, so
-        only there is a value the user set (TORCHINDUCTOR_VEC_ISA_OK or code) seen and kept."""
-        self._thread.join()
+    def _apply_isa(self) -> None:
+        # Torch keeps inductor settings per thread, so only in the thread that compiles is
+        # a value the user set (TORCHINDUCTOR_VEC_ISA_OK or code) seen and kept.
         from spyre_serve.vllm_compat import hook
         if self.passed and hook("torch._inductor.config:cpp.vec_isa_ok") is None:
             from torch._inductor import config
             config.cpp.vec_isa_ok = True
+
+    def apply(self) -> None:
+        """Call from the thread that compiles, before it compiles."""
+        self._thread.join()
+        self._apply_isa()
 
 
 class SimulatedCard(Card):
@@ -174,7 +209,7 @@ class SimulatedCard(Card):
         super().__init__(index, rank, settings)
         self.device = f"sim{index}"
         self.memory_budget_bytes = settings.card_budget(rank, _node_labels())
-        self._isa_test: VectorIsaTest | None = None   # started by compiler()
+        self._setup: CompilerSetup | None = None   # started by compiler() or earlier
 
     @property
     def identity(self) -> int:
@@ -182,18 +217,14 @@ class SimulatedCard(Card):
 
     def compiler(self) -> Callable[[Callable, tuple], Callable]:
         from spyre_serve.vllm_plugin.attention import compile_ahead
-        self._isa_test = VectorIsaTest()  # runs while the model loads
-        # No precompiled header: building it (149 MiB of ATen's vector headers) costs
-        # ~4.4 s the first time on a node, more than our small programs ever save with it,
-        # and a replica autoscaled onto a fresh node always pays it. This compile only.
-        return functools.partial(compile_ahead,
-                                 inductor_config={"cpp_cache_precompile_headers": False})
+        self._setup = CompilerSetup.start()  # runs while the model loads, if not already
+        return functools.partial(compile_ahead, inductor_config=CompilerSetup.INDUCTOR_CONFIG)
 
     def compiler_ready(self) -> None:
         # Before the worker points TORCHINDUCTOR_CACHE_DIR at the key's cache, and in the
         # thread that then compiles (the warmup's).
-        if self._isa_test is not None:
-            self._isa_test.apply()
+        if self._setup is not None:
+            self._setup.apply()
 
     def publish_block_report(self, model: str, max_model_len: int,
                              measured: WarmupMeasurement) -> None:

@@ -10,7 +10,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, field_validator, model_validator
 
 from spyre_serve.vllm_plugin.engine import RESERVED_ENGINE_KWARGS
-from spyre_serve.vllm_plugin.settings import SpyreSettings
+from spyre_serve.vllm_plugin.settings import RAY_CARD_RESOURCE, SpyreSettings
 from spyre_serve.ops.models import BUILTIN_MODELS, BUILTIN_PREFIX, DEMO_MODEL
 
 
@@ -162,7 +162,7 @@ class AppArgs(BaseModel):
 
     def placement_group_bundles(self) -> list[dict[str, float]]:
         """Bundle 0 holds the replica actor; one card per tensor-parallel rank after it."""
-        return [{"CPU": self.replica_num_cpus}] + [{"spyre": 1}] * self.tensor_parallel_size
+        return [{"CPU": self.replica_num_cpus}] + [{RAY_CARD_RESOURCE: 1}] * self.tensor_parallel_size
 
     def deployment_options(self) -> dict[str, Any]:
         """Keyword arguments for `Deployment.options`."""

@@ -38,9 +38,10 @@ class SpyreLLMServer:
     async def __init__(self, app_args: dict):
         started = time.monotonic()
         self.args = AppArgs.model_validate(app_args)
-        # First: the card actors' processes import vLLM while this replica and its
-        # EngineCore do (card_actors.py), instead of after them; and the warm-start
-        # catalog's actor starts before the handshake asks it.
+        # First, before this process imports vLLM: the card actors' processes import vLLM
+        # and set up their compiler while this replica and then its EngineCore import it
+        # (card_actors.py), instead of after them; and the warm-start catalog's actor
+        # starts before the handshake asks it.
         from spyre_serve.vllm_plugin.card_actors import CardActorsAhead
         self.cards_ahead = CardActorsAhead(self.args.tensor_parallel_size, self.args.spyre)
         from spyre_serve.handshake.catalog import start_catalog_ahead

@@ -4,8 +4,9 @@ A card actor is a fresh Ray worker process that imports vLLM (~7 s on 2 cores) b
 can load weights. vLLM's Ray executor creates its actors only after the EngineCore
 subprocess has imported vLLM itself, so the two imports ran one after the other at every
 replica start. The Serve replica therefore starts its card actors first, one per `spyre`
-bundle of its placement group, and they import the worker's modules while the replica and
-the EngineCore start; the executor then adopts them by name where vLLM would create new
+bundle of its placement group, before it imports vLLM itself (this module does not): they
+import the worker's modules and set up the card's compiler while the replica and then the
+EngineCore import vLLM; the executor then adopts them by name where vLLM would create new
 ones. Without a replica (`LLM`, scripts) the executor creates them as vLLM does.
 
 vLLM has no way to hand its executor existing actors, so the adoption stands in for the
@@ -19,31 +20,55 @@ import uuid
 
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-from vllm.v1.executor.ray_utils import RayWorkerWrapper
 
 from spyre_serve import get_logger, vllm_compat
-from spyre_serve.handshake.card import claim_card
-from spyre_serve.vllm_plugin.settings import SpyreSettings
+from spyre_serve.vllm_plugin.settings import RAY_CARD_RESOURCE, SpyreSettings
 
 logger = get_logger(__name__)
 NAMESPACE = "spyre_serve"
+# Ray's class name of a card actor: started ahead by a replica, or created by vLLM.
+CARD_ACTOR_CLASSES = ("CardActor", "SpyreRayWorkerWrapper")
 
 
-class SpyreRayWorkerWrapper(RayWorkerWrapper):
-    """Ray reports accelerator ids only for accelerators it knows; it does not know Spyre.
+class CardActor:
+    """A card actor started ahead: created before its creator has imported vLLM, so its
+    class cannot be vLLM's worker wrapper. It holds the rank's wrapper
+    (ray_worker.SpyreRayWorkerWrapper) and answers the calls vLLM's executor and ours make
+    on a worker actor; tests/test_vllm_compat.py checks these are all of vLLM's calls."""
 
-    So the actor claims a free card of its node itself and reports that as its device id.
-    """
+    def __init__(self, rpc_rank: int):
+        self._rpc_rank = rpc_rank
+        self._wrapper = None
+
+    def _wrapped(self):
+        if self._wrapper is None:
+            from spyre_serve.vllm_plugin.ray_worker import SpyreRayWorkerWrapper
+            self._wrapper = SpyreRayWorkerWrapper(rpc_rank=self._rpc_rank)
+        return self._wrapper
+
+    def preload_worker(self, simulated_compiler: bool = False) -> None:
+        """Import the rank's worker (vLLM's CPU worker and model runner) now, while the
+        engine starts elsewhere, instead of in init_worker; for a simulated card that
+        compiles its KV program, start its compiler's setup too (card.CompilerSetup)."""
+        self._wrapped()
+        importlib.import_module("spyre_serve.vllm_plugin.worker")
+        if simulated_compiler:
+            from spyre_serve.handshake.card import CompilerSetup
+            CompilerSetup.start(warm_compile=True)
+
+    # vLLM's executor: placing ranks, and collective_rpc (every worker method goes this way).
+    def get_node_ip(self) -> str:
+        return self._wrapped().get_node_ip()
 
     def get_node_and_physical_gpu_ids(self) -> tuple[str, list[int]]:
-        node_id = ray.get_runtime_context().get_node_id()
-        node = next(n for n in ray.nodes() if n["NodeID"] == node_id)
-        return node_id, [claim_card(node_id, int(node["Resources"].get("spyre", 0)))]
+        return self._wrapped().get_node_and_physical_gpu_ids()
 
-    def preload_worker(self) -> None:
-        """Import the rank's worker (vLLM's CPU worker and model runner) now, while the
-        engine starts elsewhere, instead of in init_worker."""
-        importlib.import_module("spyre_serve.vllm_plugin.worker")
+    def execute_method(self, method, *args, **kwargs):
+        return self._wrapped().execute_method(method, *args, **kwargs)
+
+    # Ours: an engine step (executor._execute_dag).
+    def execute_model_ray(self, execute_model_input):
+        return self._wrapped().execute_model_ray(execute_model_input)
 
 
 def card_process_env(settings: SpyreSettings, world_size: int) -> dict[str, str]:
@@ -62,6 +87,7 @@ def card_process_env(settings: SpyreSettings, world_size: int) -> dict[str, str]
 
 def spyre_worker_actors():
     """While vLLM's executor creates its per-rank actors, they are ours."""
+    from spyre_serve.vllm_plugin.ray_worker import SpyreRayWorkerWrapper
     return vllm_compat.replaced("vllm.v1.executor.ray_executor:RayWorkerWrapper",
                                 lambda _: SpyreRayWorkerWrapper)
 
@@ -80,27 +106,36 @@ def _name(prefix: str, rank: int, bundle: int) -> str:
 
 
 def _card_bundles(group, world_size: int) -> list[int]:
-    """The bundles vLLM's executor puts its ranks in: the first world_size with a card."""
-    from vllm.platforms import current_platform
-    key = current_platform.ray_device_key
-    return [i for i, spec in enumerate(group.bundle_specs) if spec.get(key, 0)][:world_size]
+    """The bundles vLLM's executor puts its ranks in: the first world_size with a card
+    (the platform's ray_device_key)."""
+    return [i for i, spec in enumerate(group.bundle_specs)
+            if spec.get(RAY_CARD_RESOURCE, 0)][:world_size]
 
 
 def _actor_options(group, bundle: int, env: dict[str, str]) -> dict:
     """What vLLM's executor creates a card actor with (RayDistributedExecutor._init_workers_ray),
     but without the card resource: the placement group already holds the bundle's card for
     this replica, and an actor started ahead that vLLM did not adopt must not keep vLLM's
-    own actor from being placed there."""
-    from vllm.platforms import current_platform
-    runtime_env = {"env_vars": {**{var: "1" for var in current_platform.ray_noset_device_env_vars},
-                                **env}}
-    vllm_compat.hook("vllm.v1.executor.ray_env_utils:update_runtime_env_for_worker_import")(
-        runtime_env)
+    own actor from being placed there. The environment is the card's own; what vLLM would
+    add to it is checked when the executor adopts the actor (_vllm_env_for_actors)."""
     return {"num_cpus": 0, "num_gpus": 0,
             "scheduling_strategy": PlacementGroupSchedulingStrategy(
                 placement_group=group, placement_group_capture_child_tasks=True,
                 placement_group_bundle_index=bundle),
-            "runtime_env": runtime_env}
+            "runtime_env": {"env_vars": env}}
+
+
+def _vllm_env_for_actors() -> dict[str, str]:
+    """Environment vLLM would give a card actor beyond ours: its platform's "do not set
+    device variables" flags and variables its workers need before import. Both are empty
+    for Spyre on CPU builds of vLLM; should a vLLM or platform change fill them, the actors
+    started ahead (which lack them) are not adopted."""
+    from vllm.platforms import current_platform
+    runtime_env: dict = {"env_vars": {var: "1"
+                                      for var in current_platform.ray_noset_device_env_vars}}
+    vllm_compat.hook("vllm.v1.executor.ray_env_utils:update_runtime_env_for_worker_import")(
+        runtime_env)
+    return runtime_env["env_vars"]
 
 
 class CardActorsAhead:
@@ -117,9 +152,9 @@ class CardActorsAhead:
         self.actors = []
         env = card_process_env(settings, world_size)
         for rank, bundle in enumerate(bundles if self.prefix else []):
-            actor = ray.remote(**_actor_options(group, bundle, env))(SpyreRayWorkerWrapper).options(
+            actor = ray.remote(**_actor_options(group, bundle, env))(CardActor).options(
                 name=_name(self.prefix, rank, bundle), namespace=NAMESPACE).remote(rpc_rank=rank)
-            actor.preload_worker.remote()
+            actor.preload_worker.remote(settings.backend == "cpu" and settings.compile_kv_program)
             self.actors.append(actor)
 
     def kill(self) -> None:
@@ -132,8 +167,9 @@ class _AdoptingRay:
     rpc_rank=r)` returns the actor started ahead for that bundle and rank r, if there is
     one; otherwise vLLM creates its own, and `adopting` stops the ones it did not take."""
 
-    def __init__(self, ray_module, prefix: str, started: list[str]):
+    def __init__(self, ray_module, prefix: str, started: list[str], adopt: bool = True):
         self._ray, self._prefix, self._started, self.adopted = ray_module, prefix, started, []
+        self._adopt = adopt
 
     def __getattr__(self, name):
         return getattr(self._ray, name)
@@ -145,6 +181,8 @@ class _AdoptingRay:
         return lambda cls: _Adopter(self, make(cls), bundle)
 
     def take(self, bundle: int | None, rank: int):
+        if not self._adopt:
+            return None
         name = _name(self._prefix, rank, bundle)
         try:
             actor = self._ray.get_actor(name, namespace=NAMESPACE)
@@ -180,7 +218,11 @@ def adopting(prefix: str, group, world_size: int):
         return
     started = [_name(prefix, rank, bundle)
                for rank, bundle in enumerate(_card_bundles(group, world_size))]
-    adopter = _AdoptingRay(ray, prefix, started)
+    extra = _vllm_env_for_actors()
+    if extra:
+        logger.warning("card actors started ahead not adopted: vLLM gives its workers "
+                       "environment they lack (%s)", ", ".join(sorted(extra)))
+    adopter = _AdoptingRay(ray, prefix, started, adopt=not extra)
     with vllm_compat.replaced("vllm.v1.executor.ray_executor:ray", lambda _: adopter):
         yield adopter
     unused = adopter.kill_the_rest()

@@ -14,7 +14,7 @@ from vllm.platforms.cpu import CpuPlatform
 from spyre_serve import get_logger, vllm_compat
 from spyre_serve.handshake.card import require_backend
 from spyre_serve.handshake.compiler_report import BLOCK_SIZE
-from spyre_serve.vllm_plugin.settings import SpyreSettings
+from spyre_serve.vllm_plugin.settings import RAY_CARD_RESOURCE, SpyreSettings
 
 logger = get_logger(__name__)
 
@@ -40,7 +40,7 @@ def register() -> str | None:
 
 class SpyrePlatform(CpuPlatform):
     device_name: str = "spyre"
-    ray_device_key: str = "spyre"
+    ray_device_key: str = RAY_CARD_RESOURCE
     device_control_env_var: str = "SPYRE_DEVICES"
 
     @classmethod

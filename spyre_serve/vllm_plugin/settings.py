@@ -7,6 +7,9 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 DEFAULT_CARD_MEMORY_BYTES = 2 * 1024**3
+# The Ray resource a node offers per card, one per tensor-parallel rank's bundle (the
+# platform's ray_device_key).
+RAY_CARD_RESOURCE = "spyre"
 # A Ray node label that sets the simulated budget of every card on that node, over
 # spyre.card_memory_bytes: a cluster of unlike cards (`ray start --labels
 # "spyre-serve/card-memory-bytes=<bytes>"`, KubeRay rayStartParams.labels, an autoscaler

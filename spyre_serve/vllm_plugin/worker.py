@@ -67,6 +67,7 @@ class SpyreWorker(CPUWorker):
         started = time.time()
         start = "cold"
         self.card.compiler_ready()
+        counted_from = compile_cache_counts()  # the compiler's own warm-up does not count
         if catalog_key and self.settings.backend == "cpu":
             import ray
             self.compile_cache_path = catalog.compile_cache_dir(
@@ -109,7 +110,7 @@ class SpyreWorker(CPUWorker):
         report = self.card.read_block_report(model_name, max_model_len, not_before=started)
         self.warmup = {"seconds": time.time() - started, "steps": stats["steps"],
                        "kv_cache_shapes": warmup_shapes, "graphs": compiled_graphs(),
-                       "compile_cache": compile_cache_counts(),
+                       "compile_cache": compile_cache_counts(since=counted_from),
                        "report_file": str(self.card.report_file)}
         counts = self.warmup["compile_cache"]
         if start == "cold" and counts["hits"] and not counts["misses"]:

@@ -50,10 +50,12 @@ def rank_app(serve_instance, tiny_model):
 
 
 def card_actor_pids() -> dict[int, str]:
-    """pid -> actor id of every live card actor (SpyreRayWorkerWrapper) in this cluster."""
+    """pid -> actor id of every live card actor in this cluster."""
     from ray._private import state
+
+    from spyre_serve.vllm_plugin.card_actors import CARD_ACTOR_CLASSES
     return {a["Pid"]: a["ActorID"] for a in state.actors().values()
-            if a["ActorClassName"] == "SpyreRayWorkerWrapper" and a["State"] == "ALIVE"}
+            if a["ActorClassName"] in CARD_ACTOR_CLASSES and a["State"] == "ALIVE"}
 
 
 def pid_of_card(device: str) -> int:
