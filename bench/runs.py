@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import psutil
 
-from spyre_serve.vllm_plugin.card_actors import CARD_ACTOR_CLASSES
+from spyre_serve.vllm_plugin.card_actors import CARD_ACTOR_CLASSES, is_card_actor_process
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -139,10 +139,6 @@ async def run_phase(server, phase: dict, args, profile: bool = False) -> dict:
     }
 
 
-def is_card_actor(process_name: str) -> bool:
-    return any(name in process_name for name in CARD_ACTOR_CLASSES)
-
-
 def pin_card_actor(server) -> dict:
     """Every thread of the card actors on CPU 0, every thread of the rest on the others."""
     cpus = sorted(os.sched_getaffinity(0))
@@ -150,7 +146,7 @@ def pin_card_actor(server) -> dict:
     pinned = {}
     for p in server.processes():
         try:
-            target = card if is_card_actor(p.name()) else rest
+            target = card if is_card_actor_process(p.name()) else rest
             for thread in p.threads():
                 os.sched_setaffinity(thread.id, target)
             pinned[f"{p.name()}[{p.pid}]"] = sorted(target)

@@ -9,6 +9,7 @@ from ray.serve import Application
 
 from spyre_serve.serve.app_args import AppArgs
 from spyre_serve.serve.replica import SpyreLLMServer
+from spyre_serve.vllm_plugin.settings import RAY_CARD_RESOURCE
 
 logger = logging.getLogger("ray.serve")
 
@@ -28,8 +29,8 @@ def warn_when_no_node_has_cards(cards_per_replica: int) -> None:
     import ray
     if not ray.is_initialized():
         return
-    largest = max((node["Resources"].get("spyre", 0) for node in ray.nodes() if node["Alive"]),
-                  default=0)
+    largest = max((node["Resources"].get(RAY_CARD_RESOURCE, 0) for node in ray.nodes()
+                   if node["Alive"]), default=0)
     if largest >= cards_per_replica:
         return
     logger.warning(

@@ -34,6 +34,8 @@ import pytest
 from support import (MiB, free_port, replica_routing_stats, replica_status, replica_statuses,
                      start_ray_head, suite_driver_set_aside, wait_for)
 
+from spyre_serve.vllm_plugin.card_actors import is_card_actor_process
+
 pytestmark = pytest.mark.slow
 NODE_TYPE = "spyre.worker"
 
@@ -506,12 +508,6 @@ def title(p: psutil.Process) -> str:
         return "(gone)"
 
 
-def is_card_actor(process_title: str) -> bool:
-    """Ray titles an actor's process `ray::<class>...`: a card actor's class is one of these."""
-    from spyre_serve.vllm_plugin.card_actors import CARD_ACTOR_CLASSES
-    return any(f"ray::{name}" in process_title for name in CARD_ACTOR_CLASSES)
-
-
 def engine_processes(marker: str) -> Counter:
     """Card actors and EngineCores of this cluster: the descendants of its raylets (each
     raylet has the cluster's own temp dir on its command line).
@@ -534,7 +530,7 @@ def engine_processes(marker: str) -> Counter:
                 line, parent = " ".join(p.cmdline()), " ".join(p.parent().cmdline())
             except (psutil.Error, AttributeError):  # gone, or orphaned (parent None)
                 continue
-            if is_card_actor(line):
+            if is_card_actor_process(line):
                 counts["card actor"] += 1
             elif "ServeReplica" in parent and "resource_tracker" not in line:
                 counts["EngineCore"] += 1
@@ -595,7 +591,7 @@ def test_losing_the_node_under_a_replica_while_it_streams(apps):
     print(f"killed {len(killed)} processes of node {lost}: {killed}; tokens at the kill "
           f"{at_kill}; streams (tokens, finish, error, ended s after kill): {outcomes()}")
     # The node under the replica: its card actor died with it.
-    assert any(is_card_actor(t) for t in killed), killed
+    assert any(is_card_actor_process(t) for t in killed), killed
 
     recovery = {}
     wait_for("Ray to mark the node dead", lambda: lost not in worker_nodes(ray), 120, 0.5)

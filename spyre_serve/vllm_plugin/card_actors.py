@@ -30,6 +30,12 @@ NAMESPACE = "spyre_serve"
 CARD_ACTOR_CLASSES = ("CardActor", "SpyreRayWorkerWrapper")
 
 
+def is_card_actor_process(title: str) -> bool:
+    """Whether a process title (Ray titles an actor's process `ray::<class>...`) is a card
+    actor's: for tools that find card actors among processes (bench, tests)."""
+    return any(f"ray::{name}" in title for name in CARD_ACTOR_CLASSES)
+
+
 class CardActor:
     """A card actor started ahead: created before its creator has imported vLLM, so its
     class cannot be vLLM's worker wrapper. It holds the rank's wrapper
