@@ -28,6 +28,10 @@ HELD_BACK_ITL_SHARE = 0.25
 # Targets from the issue, for spyre_serve / vLLM.
 THROUGHPUT_FLOOR = 0.95
 TTFT_P50_CEILING = 1.10
+ITL_P99_CEILING = 1.50      # no multi-hundred-millisecond stalls in a stream
+TPOT_P50_CEILING = 1.10
+COLD_START_CEILING = 1.30   # process start to the first answer
+IDLE_PSS_CEILING = 1.15     # PSS summed over every process of the server, idle after start
 HANDSHAKE_CEILING_S = 1.0
 
 
@@ -119,24 +123,48 @@ def per_repeat_ratios(ours: Sequence[dict], theirs: Sequence[dict], metric: str)
     return [ratio(o.get(metric), t.get(metric)) for o, t in zip(ours, theirs)]
 
 
-def target_series(ours_phases: dict, theirs_phases: dict,
-                  handshakes: Sequence[float | None]) -> dict[str, tuple[list, float, bool]]:
+def per_session_ratios(ours: Sequence[dict], theirs: Sequence[dict], *path: str) -> list[float | None]:
+    """spyre_serve / vLLM of one per-session figure (a start, the idle memory), paired by
+    repeat as the load metrics are."""
+    def read(session):
+        for key in path:
+            session = (session or {}).get(key)
+        return session
+    if len(ours) != len(theirs) or not ours:
+        return [None] * max(len(ours), len(theirs), 1)
+    return [ratio(read(o), read(t)) for o, t in zip(ours, theirs)]
+
+
+def target_series(ours: dict, theirs: dict) -> dict[str, tuple[list, float, bool]]:
     """name -> (per-repeat values, threshold, higher is better), for every target.
 
-    *_phases: phase -> combined phase result, its "repeats" each holding a "load"."""
+    ours, theirs: a combined server result, its "phases" (each with "repeats" holding a
+    "load") and its "sessions" (each with "cold_start", "memory", and ours "handshake_s")."""
     series = {}
-    for phase in ours_phases:
-        if phase not in theirs_phases:
+    for phase in ours["phases"]:
+        if phase not in theirs["phases"]:
             continue
-        o = [r["load"] for r in ours_phases[phase]["repeats"]]
-        t = [r["load"] for r in theirs_phases[phase]["repeats"]]
+        o = [r["load"] for r in ours["phases"][phase]["repeats"]]
+        t = [r["load"] for r in theirs["phases"][phase]["repeats"]]
         if phase.startswith("concurrency"):
             series[f"{phase}: tokens/s >= {THROUGHPUT_FLOOR}x"] = (
                 per_repeat_ratios(o, t, "output_tokens_per_s"), THROUGHPUT_FLOOR, True)
         series[f"{phase}: TTFT p50 <= {TTFT_P50_CEILING}x"] = (
             per_repeat_ratios(o, t, "ttft_ms_p50"), TTFT_P50_CEILING, False)
+        series[f"{phase}: ITL p99 <= {ITL_P99_CEILING}x"] = (
+            per_repeat_ratios(o, t, "itl_ms_p99"), ITL_P99_CEILING, False)
+        series[f"{phase}: TPOT p50 <= {TPOT_P50_CEILING}x"] = (
+            per_repeat_ratios(o, t, "tpot_ms_p50"), TPOT_P50_CEILING, False)
+    ours_sessions, theirs_sessions = ours.get("sessions", []), theirs.get("sessions", [])
+    series[f"cold start to first answer <= {COLD_START_CEILING}x"] = (
+        per_session_ratios(ours_sessions, theirs_sessions, "cold_start", "process_to_first_answer_s"),
+        COLD_START_CEILING, False)
+    series[f"idle PSS <= {IDLE_PSS_CEILING}x"] = (
+        per_session_ratios(ours_sessions, theirs_sessions, "memory", "idle_pss_mib"),
+        IDLE_PSS_CEILING, False)
+    handshakes = [s.get("handshake_s") for s in ours_sessions]
     series[f"coordinator handshake < {HANDSHAKE_CEILING_S} s"] = (
-        list(handshakes) or [None], HANDSHAKE_CEILING_S, False)
+        handshakes or [None], HANDSHAKE_CEILING_S, False)
     return series
 
 
@@ -168,7 +196,7 @@ def judge_model(result: dict) -> dict:
     """Validity, per-target verdicts and the overall verdict of one model's comparison.
 
     result["servers"][name]: "phases" (each with "repeats") and "sessions" (each with
-    "settings"["kv_blocks"] and "handshake_s")."""
+    "settings"["kv_blocks"], "cold_start", "memory" and, for spyre_serve, "handshake_s")."""
     servers = {name: result["servers"][name] for name in ("spyre_serve", "vllm")}
     loads = {name: {phase: [{**r["load"], "server_itl_ms_mean":
                              r.get("scheduler", {}).get("server_itl_ms_mean")}
@@ -178,9 +206,6 @@ def judge_model(result: dict) -> dict:
     blocks = {name: [s.get("settings", {}).get("kv_blocks") for s in server.get("sessions", [])]
               for name, server in servers.items()}
     problems = validity_problems(loads, blocks)
-    ours = servers["spyre_serve"]
-    handshakes = [s.get("handshake_s") for s in ours.get("sessions", [])]
-    verdicts = judge_all(target_series(ours["phases"], servers["vllm"]["phases"], handshakes),
-                         problems)
+    verdicts = judge_all(target_series(servers["spyre_serve"], servers["vllm"]), problems)
     return {"validity": {"valid": not problems, "problems": problems},
             "targets": verdicts, "verdict": overall(verdicts.values(), problems)}

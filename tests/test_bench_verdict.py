@@ -11,20 +11,25 @@ import startup  # noqa: E402
 import verdict  # noqa: E402
 
 
-def load(tokens_per_s=100.0, ttft=50.0, errors=0, short=0):
+def load(tokens_per_s=100.0, ttft=50.0, errors=0, short=0, itl_p99=80.0, tpot=10.0):
     return {"requests": 16, "errors": errors, "short_outputs": short,
             "first_errors": ["HTTP 500: b'boom'"] if errors else [],
-            "output_tokens_per_s": tokens_per_s, "ttft_ms_p50": ttft, "tpot_ms_p50": 10.0}
+            "output_tokens_per_s": tokens_per_s, "ttft_ms_p50": ttft, "tpot_ms_p50": tpot,
+            "itl_ms_p99": itl_p99}
 
 
-def server(loads_by_phase: dict, blocks, handshakes=None):
+def server(loads_by_phase: dict, blocks, handshakes=None, starts=None, idle_pss=None):
     """A combined server result as runs.bench_model builds it: one session per repeat."""
     repeats = len(next(iter(loads_by_phase.values())))
     handshakes = handshakes or [0.2] * repeats
+    starts = starts or [30.0] * repeats
+    idle_pss = idle_pss or [1000.0] * repeats
     return {"phases": {phase: {"repeats": [{"load": ld} for ld in loads]}
                        for phase, loads in loads_by_phase.items()},
-            "sessions": [{"settings": {"kv_blocks": blocks}, "handshake_s": h}
-                         for h in handshakes]}
+            "sessions": [{"settings": {"kv_blocks": blocks}, "handshake_s": h,
+                          "cold_start": {"process_to_first_answer_s": s},
+                          "memory": {"idle_pss_mib": m}}
+                         for h, s, m in zip(handshakes, starts, idle_pss)]}
 
 
 def model_result(ours: dict, theirs: dict) -> dict:
@@ -144,6 +149,33 @@ def test_one_repeat_gives_no_verdict():
 
 def test_ratio_exactly_at_threshold_is_inconclusive():
     assert verdict.judge([0.95, 0.95], 0.95, True)["verdict"] == "INCONCLUSIVE"
+
+
+def test_stalls_slow_tokens_slow_starts_and_memory_each_fail_their_own_target():
+    ours = server({PHASE: [load(itl_p99=130.0, tpot=12.0) for _ in range(3)]}, blocks=64,
+                  starts=[45.0, 44.0, 46.0], idle_pss=[1500.0, 1490.0, 1510.0])
+    theirs = server({PHASE: [load() for _ in range(3)]}, blocks=64)
+    targets = verdict.judge_model(model_result(ours, theirs))["targets"]
+    itl = targets[f"{PHASE}: ITL p99 <= {verdict.ITL_P99_CEILING}x"]
+    assert itl["verdict"] == "FAIL" and itl["median"] == pytest.approx(1.625)
+    assert targets[f"{PHASE}: TPOT p50 <= {verdict.TPOT_P50_CEILING}x"]["verdict"] == "FAIL"
+    start = targets[f"cold start to first answer <= {verdict.COLD_START_CEILING}x"]
+    assert start["verdict"] == "FAIL" and start["per_repeat"] == [
+        pytest.approx(1.5), pytest.approx(44 / 30, abs=1e-4), pytest.approx(46 / 30, abs=1e-4)]
+    pss = targets[f"idle PSS <= {verdict.IDLE_PSS_CEILING}x"]
+    assert pss["verdict"] == "FAIL" and pss["median"] == pytest.approx(1.5)
+    # ... and the throughput target, met, still passes beside them
+    assert targets[f"{PHASE}: tokens/s >= {verdict.THROUGHPUT_FLOOR}x"]["verdict"] == "PASS"
+
+
+def test_a_session_without_a_start_or_memory_figure_leaves_those_targets_unmeasured():
+    result = clean_pair([100] * 3, [100] * 3)
+    del result["servers"]["vllm"]["sessions"][2]["memory"]
+    result["servers"]["spyre_serve"]["sessions"][0]["cold_start"] = None
+    targets = verdict.judge_model(result)["targets"]
+    assert targets[f"idle PSS <= {verdict.IDLE_PSS_CEILING}x"]["verdict"] == "n/a"
+    assert targets[f"cold start to first answer <= {verdict.COLD_START_CEILING}x"]["verdict"] == "n/a"
+    assert targets[f"{PHASE}: tokens/s >= {verdict.THROUGHPUT_FLOOR}x"]["verdict"] == "PASS"
 
 
 def test_missing_handshake_is_not_measured():
