@@ -20,9 +20,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import shutil
 import signal
 import statistics
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -70,11 +72,11 @@ def cpu_ms_per_token(phase: dict) -> dict[str, float]:
     return {name: round(1000 * cores / tokens_per_s, 3) for name, cores in by_name.items()}
 
 
-def session(args, run_dir: Path, repeat: int) -> dict:
-    server = ServeWithoutModel(run_dir / f"r{repeat + 1}", uuid.uuid4().hex, MODEL_NAME,
+def session(args, scratch: Path, logs: Path, repeat: int) -> dict:
+    server = ServeWithoutModel(scratch / f"r{repeat + 1}", uuid.uuid4().hex, MODEL_NAME,
                                free_port(), app_args={"model": MODEL_NAME})
-    server.run_dir.mkdir(parents=True, exist_ok=True)
-    result: dict = {"repeat": repeat}
+    server.run_dir.mkdir(parents=True)
+    result: dict = {"repeat": repeat, "log": str(logs / f"r{repeat + 1}.log")}
     try:
         with MemorySampler(server) as sampler:
             ready, result["failed_starts"] = runs.start_until_ready(server, args)
@@ -99,6 +101,8 @@ def session(args, run_dir: Path, repeat: int) -> dict:
         result["peak_rss_mib"] = round(sampler.peak_rss / 2**20, 1)
     finally:
         result["teardown"] = server.stop()
+        if server.log_path.exists():
+            shutil.copy(server.log_path, result["log"])
     print(f"    cold start {result['cold_start']}, idle PSS "
           f"{result['idle_memory']['pss_mib']} MiB in {result['idle_memory']['processes']} "
           f"processes", flush=True)
@@ -171,8 +175,14 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     out = args.out or BENCH / "results" / f"serve-floor-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    run_dir = out.parent / out.stem
-    sessions = [session(args, run_dir, r) for r in range(args.repeats)]
+    logs = out.parent / out.stem
+    logs.mkdir(exist_ok=True)
+    # Short, as compare_vllm.py's: Ray's unix sockets live under it, their paths are limited.
+    scratch = Path(tempfile.mkdtemp(prefix="sf-"))
+    try:
+        sessions = [session(args, scratch, logs, r) for r in range(args.repeats)]
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
     document = {"args": {k: str(v) for k, v in vars(args).items()}, "sessions": sessions,
                 "summary": summarize(sessions)}
     if args.against:

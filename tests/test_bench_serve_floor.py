@@ -53,3 +53,4 @@ def test_serve_floor_measures_ray_and_serve_without_a_model(tmp_path):
     assert session["idle_memory"]["pss_mib"] > 0
     assert 0 < session["cold_start"]["process_to_ready_s"] <= session["cold_start"]["process_to_first_answer_s"]
     assert session["teardown"]["still_running"] == []
+    assert "NoModel" in Path(session["log"]).read_text()  # the session's output is kept
