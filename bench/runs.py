@@ -12,7 +12,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -33,7 +32,7 @@ import startup  # noqa: E402
 import verdict  # noqa: E402
 from metrics import SchedulerWatch  # noqa: E402
 from servers import (MemorySampler, PlainVllm, SpyreServe, cpu_seconds_by_pid,  # noqa: E402
-                     free_port, memory_snapshot)
+                     free_port, memory_snapshot, short_scratch_dir)
 
 BLOCK_SIZE = 64
 MODEL_NAME = "bench-model"
@@ -400,8 +399,7 @@ def bench_model(model: str, args, out_dir: Path, bandwidth: dict | None = None) 
     warm = loadgen.make_prompts(max(args.concurrency), args.prompt_len, vocab, args.seed + 50)
     first = loadgen.make_prompts(1, 16, vocab, args.seed + 99)[0]
     run_id = uuid.uuid4().hex[:12]
-    # Short: Ray puts unix sockets under its temp dir, and their paths have a length limit.
-    scratch = Path(tempfile.mkdtemp(prefix="sb-"))
+    scratch = short_scratch_dir("sb-")
     logs = out_dir / f"{model}-logs"
     logs.mkdir(parents=True, exist_ok=True)
     sessions: dict[str, list[dict]] = {name: [] for _, name in schedule}

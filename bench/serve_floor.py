@@ -24,7 +24,6 @@ import shutil
 import signal
 import statistics
 import sys
-import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -36,7 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import loadgen  # noqa: E402
 import report  # noqa: E402
 import runs  # noqa: E402
-from servers import MemorySampler, SpyreServe, free_port, memory_snapshot  # noqa: E402
+from servers import (MemorySampler, SpyreServe, free_port, memory_snapshot,  # noqa: E402
+                     short_scratch_dir)
 
 BENCH = Path(__file__).resolve().parent
 MODEL_NAME = runs.MODEL_NAME
@@ -177,8 +177,7 @@ def main(argv=None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     logs = out.parent / out.stem
     logs.mkdir(exist_ok=True)
-    # Short, as compare_vllm.py's: Ray's unix sockets live under it, their paths are limited.
-    scratch = Path(tempfile.mkdtemp(prefix="sf-"))
+    scratch = short_scratch_dir("sf-")
     try:
         sessions = [session(args, scratch, logs, r) for r in range(args.repeats)]
     finally:

@@ -13,6 +13,7 @@ import re
 import signal
 import socket
 import subprocess
+import tempfile
 import sys
 import threading
 import time
@@ -27,6 +28,13 @@ VENV_BIN = Path(sys.executable).parent
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 # Ray hands ports 10002-19999 to its workers and uses 10001, 8265 and 52365 itself.
 RAY_RESERVED = range(10000, 20000)
+
+
+def short_scratch_dir(prefix: str) -> Path:
+    """A scratch dir right under /tmp, whatever TMPDIR says: each server's Ray temp dir lies
+    inside it, and Ray's unix socket paths under that must stay short
+    (spyre_serve.ops.cli.temp_dir_problem refuses a temp dir that is too long)."""
+    return Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
 
 
 def free_port() -> int:

@@ -235,3 +235,22 @@ def test_a_replica_starts_its_card_actors_before_it_imports_vllm():
     assert_imports_neither_vllm_nor_torch(
         "import spyre_serve.serve.replica, spyre_serve.vllm_plugin.card_actors\n"
         "import spyre_serve.handshake.catalog\n")
+
+
+def test_a_temp_dir_too_long_for_rays_sockets_is_refused_before_ray_starts(tmp_path):
+    # Ray checks only its object store's socket: a temp dir a few characters too long
+    # started, lost its dashboard a minute later, then the head, and `serve run` waited
+    # for the gone GCS forever. spyre-serve refuses it at once, naming the fix.
+    import subprocess
+
+    from spyre_serve.ops.cli import temp_dir_problem, tool
+    assert temp_dir_problem("/tmp/ray") is None
+    long_dir = tmp_path / ("x" * 40) / "ray"
+    assert "too long" in temp_dir_problem(str(long_dir))
+    config = tmp_path / "serve_config.yaml"
+    config.write_text("applications: []\n")
+    run = subprocess.run([tool("spyre-serve"), "run", str(config), "--temp-dir", str(long_dir)],
+                         capture_output=True, text=True, timeout=60)
+    said = run.stdout + run.stderr
+    assert run.returncode != 0 and "is too long" in said and "--temp-dir" in said, said
+    assert not list(long_dir.glob("session_*"))  # no Ray was started there

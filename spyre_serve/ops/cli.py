@@ -72,6 +72,28 @@ def default_ray_temp_dir() -> str:
     return get_default_ray_temp_dir()
 
 
+# Linux limits a unix socket's path to 107 bytes. Ray puts its sockets in
+# <temp dir>/session_<date>_<time>_<microseconds>_<pid>/sockets/, and the longest name there
+# is a dashboard module's (dash_MetricsHead). `ray start` checks only its object store's
+# socket, so a temp dir a few characters too long starts, then loses its dashboard a
+# minute later and the whole head after it (seen with pytest's tmp paths).
+UNIX_SOCKET_PATH_MAX = 107
+LONGEST_RAY_SOCKET_SUFFIX = "/session_2026-12-07_06-18-32_708871_4194304/sockets/dash_MetricsHead"
+
+
+def temp_dir_problem(temp_dir: str) -> str | None:
+    """Why Ray could not keep its sockets under `temp_dir`, or None when it can."""
+    longest = len(os.path.abspath(temp_dir)) + len(LONGEST_RAY_SOCKET_SUFFIX)
+    if longest <= UNIX_SOCKET_PATH_MAX:
+        return None
+    allowed = UNIX_SOCKET_PATH_MAX - len(LONGEST_RAY_SOCKET_SUFFIX)
+    return (f"Ray's temp dir {temp_dir} is too long ({len(os.path.abspath(temp_dir))} "
+            f"characters): Ray's sockets under it would reach {longest} bytes, past Linux's "
+            f"limit of {UNIX_SOCKET_PATH_MAX}, and its dashboard and then the head would die "
+            f"during the start. Use a temp dir of at most {allowed} characters: --temp-dir, "
+            "or a shorter RAY_TMPDIR or TMPDIR (Ray's default is /tmp/ray)")
+
+
 def running_cluster(temp_dir: str | None = None) -> str | None:
     """The cluster `serve run` would use: RAY_ADDRESS, else the last `ray start` here.
 
@@ -167,6 +189,9 @@ def start_head(cards: int | None, num_cpus: int | None, port: int, temp_dir: str
     Attached (no log): it dies with this process, so Ctrl-C on `spyre-serve run` leaves no
     Ray behind. Detached: it outlives us, for `spyre-serve start`.
     """
+    problem = temp_dir_problem(temp_dir or default_ray_temp_dir())
+    if problem:
+        raise SystemExit(f"spyre-serve: {problem}")
     cmd = start_command(announce_cards(cards), num_cpus, port, temp_dir) + ["--block"]
     env = node_env()
     if detached_log is None:
@@ -186,6 +211,10 @@ def start_head(cards: int | None, num_cpus: int | None, port: int, temp_dir: str
         time.sleep(1)
     os.environ["RAY_ADDRESS"] = address
     wait_for_dashboard(head)
+    if head.poll() is not None:  # `serve run` would wait for a GCS that is gone, forever
+        raise SystemExit(f"spyre-serve: `{' '.join(cmd)}` exited with {head.returncode} while "
+                         "starting; its processes' logs are in the session's logs/ under "
+                         f"{temp_dir or default_ray_temp_dir()}")
     return head
 
 
