@@ -7,6 +7,8 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
+from verdict import session_figure
+
 LOAD_METRICS = ["output_tokens_per_s", "requests_per_s", "ttft_ms_p50", "ttft_ms_p99",
                 "itl_ms_p50", "itl_ms_p99", "tpot_ms_p50", "tokens_per_chunk"]
 
@@ -26,12 +28,8 @@ def phase_ratios(ours: dict, theirs: dict) -> dict:
 def session_median(server: dict, *path: str):
     """The median over a server's sessions of one per-session figure (a start, a memory
     sum); the first session's alone when the result has no per-session list."""
-    values = []
-    for session in server.get("sessions") or [server]:
-        for key in path:
-            session = (session or {}).get(key)
-        if session is not None:
-            values.append(session)
+    values = [session_figure(session, *path) for session in server.get("sessions") or [server]]
+    values = [v for v in values if v is not None]
     return statistics.median(values) if values else None
 
 

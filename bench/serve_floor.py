@@ -28,8 +28,6 @@ import time
 import uuid
 from pathlib import Path
 
-import yaml
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import loadgen  # noqa: E402
@@ -46,14 +44,7 @@ class ServeWithoutModel(SpyreServe):
     """`spyre-serve run` of the no-model app: the same Ray head, settings and proxy."""
 
     kind = "serve_floor"
-
-    def command(self) -> list[str]:
-        command = super().command()
-        config = yaml.safe_load(self.config_path.read_text())
-        config["applications"][0].update({"import_path": "serve_floor_app:build",
-                                          "args": self.app_args})
-        self.config_path.write_text(yaml.safe_dump(config, sort_keys=False))
-        return command
+    import_path = "serve_floor_app:build"
 
     def environment(self) -> dict[str, str]:
         # Ray's workers inherit the node's environment: the app module is found in bench/.

@@ -204,6 +204,7 @@ class SpyreServe(Server):
     """`spyre-serve run <config>`: starts a local Ray head, then `serve run`s the app."""
 
     kind = "spyre_serve"
+    import_path = "deployments.openai_app:build_app"   # the app `serve run` builds
 
     def __init__(self, *args, app_args: dict, extra_env: dict | None = None, **kwargs):
         super().__init__(*args, **kwargs)
@@ -220,7 +221,7 @@ class SpyreServe(Server):
             "proxy_location": "EveryNode",
             "http_options": {"host": "127.0.0.1", "port": self.http_port},
             "applications": [{"name": "bench", "route_prefix": "/",
-                              "import_path": "deployments.openai_app:build_app",
+                              "import_path": self.import_path,
                               "args": self.app_args}],
         }
         self.config_path.write_text(yaml.safe_dump(config, sort_keys=False))

@@ -123,16 +123,19 @@ def per_repeat_ratios(ours: Sequence[dict], theirs: Sequence[dict], metric: str)
     return [ratio(o.get(metric), t.get(metric)) for o, t in zip(ours, theirs)]
 
 
+def session_figure(session: dict | None, *path: str):
+    """One figure of a session, by its keys (e.g. "memory", "idle_pss_mib"); None if absent."""
+    for key in path:
+        session = (session or {}).get(key)
+    return session
+
+
 def per_session_ratios(ours: Sequence[dict], theirs: Sequence[dict], *path: str) -> list[float | None]:
     """spyre_serve / vLLM of one per-session figure (a start, the idle memory), paired by
     repeat as the load metrics are."""
-    def read(session):
-        for key in path:
-            session = (session or {}).get(key)
-        return session
     if len(ours) != len(theirs) or not ours:
         return [None] * max(len(ours), len(theirs), 1)
-    return [ratio(read(o), read(t)) for o, t in zip(ours, theirs)]
+    return [ratio(session_figure(o, *path), session_figure(t, *path)) for o, t in zip(ours, theirs)]
 
 
 def target_series(ours: dict, theirs: dict) -> dict[str, tuple[list, float, bool]]:

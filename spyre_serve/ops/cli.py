@@ -83,11 +83,12 @@ LONGEST_RAY_SOCKET_SUFFIX = "/session_2026-12-07_06-18-32_708871_4194304/sockets
 
 def temp_dir_problem(temp_dir: str) -> str | None:
     """Why Ray could not keep its sockets under `temp_dir`, or None when it can."""
-    longest = len(os.path.abspath(temp_dir)) + len(LONGEST_RAY_SOCKET_SUFFIX)
+    length = len(os.path.abspath(temp_dir))
+    longest = length + len(LONGEST_RAY_SOCKET_SUFFIX)
     if longest <= UNIX_SOCKET_PATH_MAX:
         return None
     allowed = UNIX_SOCKET_PATH_MAX - len(LONGEST_RAY_SOCKET_SUFFIX)
-    return (f"Ray's temp dir {temp_dir} is too long ({len(os.path.abspath(temp_dir))} "
+    return (f"Ray's temp dir {temp_dir} is too long ({length} "
             f"characters): Ray's sockets under it would reach {longest} bytes, past Linux's "
             f"limit of {UNIX_SOCKET_PATH_MAX}, and its dashboard and then the head would die "
             f"during the start. Use a temp dir of at most {allowed} characters: --temp-dir, "
@@ -189,7 +190,8 @@ def start_head(cards: int | None, num_cpus: int | None, port: int, temp_dir: str
     Attached (no log): it dies with this process, so Ctrl-C on `spyre-serve run` leaves no
     Ray behind. Detached: it outlives us, for `spyre-serve start`.
     """
-    problem = temp_dir_problem(temp_dir or default_ray_temp_dir())
+    root = temp_dir or default_ray_temp_dir()
+    problem = temp_dir_problem(root)
     if problem:
         raise SystemExit(f"spyre-serve: {problem}")
     cmd = start_command(announce_cards(cards), num_cpus, port, temp_dir) + ["--block"]
@@ -213,8 +215,7 @@ def start_head(cards: int | None, num_cpus: int | None, port: int, temp_dir: str
     wait_for_dashboard(head)
     if head.poll() is not None:  # `serve run` would wait for a GCS that is gone, forever
         raise SystemExit(f"spyre-serve: `{' '.join(cmd)}` exited with {head.returncode} while "
-                         "starting; its processes' logs are in the session's logs/ under "
-                         f"{temp_dir or default_ray_temp_dir()}")
+                         f"starting; its processes' logs are in the session's logs/ under {root}")
     return head
 
 
