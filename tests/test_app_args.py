@@ -241,6 +241,7 @@ def test_a_temp_dir_too_long_for_rays_sockets_is_refused_before_ray_starts(tmp_p
     # Ray checks only its object store's socket: a temp dir a few characters too long
     # started, lost its dashboard a minute later, then the head, and `serve run` waited
     # for the gone GCS forever. spyre-serve refuses it at once, naming the fix.
+    import os
     import subprocess
 
     from spyre_serve.ops.cli import temp_dir_problem, tool
@@ -249,8 +250,11 @@ def test_a_temp_dir_too_long_for_rays_sockets_is_refused_before_ray_starts(tmp_p
     assert "too long" in temp_dir_problem(str(long_dir))
     config = tmp_path / "serve_config.yaml"
     config.write_text("applications: []\n")
+    # No RAY_ADDRESS: with one (the suite's driver sets it) spyre-serve uses that cluster
+    # and starts no head, so there is no temp dir to refuse.
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     run = subprocess.run([tool("spyre-serve"), "run", str(config), "--temp-dir", str(long_dir)],
-                         capture_output=True, text=True, timeout=60)
+                         capture_output=True, text=True, timeout=60, env=env)
     said = run.stdout + run.stderr
     assert run.returncode != 0 and "is too long" in said and "--temp-dir" in said, said
     assert not list(long_dir.glob("session_*"))  # no Ray was started there
