@@ -127,11 +127,11 @@ def test_the_simulated_compiler_tests_one_vector_isa_and_picks_inductors(tmp_pat
 
 WARM = """
 import json, torch
-from spyre_serve.handshake.card import CompilerSetup, SimulatedCard
+from spyre_serve.handshake.card import SimulatedCard, start_compiler_ahead
 from spyre_serve.vllm_plugin.attention import (compile_cache_counts, compiled_graphs,
                                                make_kv_program, write_kv_flat)
 from spyre_serve.vllm_plugin.settings import SpyreSettings
-CompilerSetup.start(warm_compile=True)   # as a card actor started ahead does
+start_compiler_ahead(SpyreSettings())   # as a card actor started ahead does
 card = SimulatedCard(0, 0, SpyreSettings())
 program = make_kv_program(card.compiler())  # joins the setup already running
 card.compiler_ready()

@@ -273,6 +273,14 @@ def _node_labels() -> dict[str, str]:
     return ray.get_runtime_context().get_node_labels() if ray.is_initialized() else {}
 
 
+def start_compiler_ahead(settings: SpyreSettings) -> None:
+    """Begin the card's compiler setup before the card is opened (a card actor started
+    ahead of its engine), so it runs beside the engine's start. Only a simulated card that
+    compiles its KV program has such a setup; a real card's compiler is torch_sendnn's."""
+    if settings.backend == "cpu" and settings.compile_kv_program:
+        CompilerSetup.start(warm_compile=True)
+
+
 def open_card(index: int, rank: int, settings: SpyreSettings) -> Card:
     torch_sendnn = require_backend(settings.backend)
     if torch_sendnn is not None:

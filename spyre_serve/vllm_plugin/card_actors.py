@@ -52,15 +52,14 @@ class CardActor:
             self._wrapper = SpyreRayWorkerWrapper(rpc_rank=self._rpc_rank)
         return self._wrapper
 
-    def preload_worker(self, simulated_compiler: bool = False) -> None:
+    def preload_worker(self, settings: SpyreSettings) -> None:
         """Import the rank's worker (vLLM's CPU worker and model runner) now, while the
-        engine starts elsewhere, instead of in init_worker; for a simulated card that
-        compiles its KV program, start its compiler's setup too (card.CompilerSetup)."""
+        engine starts elsewhere, instead of in init_worker, and start what the card's
+        compiler needs first (card.start_compiler_ahead)."""
         self._wrapped()
         importlib.import_module("spyre_serve.vllm_plugin.worker")
-        if simulated_compiler:
-            from spyre_serve.handshake.card import CompilerSetup
-            CompilerSetup.start(warm_compile=True)
+        from spyre_serve.handshake.card import start_compiler_ahead
+        start_compiler_ahead(settings)
 
     # vLLM's executor: placing ranks, and collective_rpc (every worker method goes this way).
     def get_node_ip(self) -> str:
@@ -160,7 +159,7 @@ class CardActorsAhead:
         for rank, bundle in enumerate(bundles if self.prefix else []):
             actor = ray.remote(**_actor_options(group, bundle, env))(CardActor).options(
                 name=_name(self.prefix, rank, bundle), namespace=NAMESPACE).remote(rpc_rank=rank)
-            actor.preload_worker.remote(settings.backend == "cpu" and settings.compile_kv_program)
+            actor.preload_worker.remote(settings)
             self.actors.append(actor)
 
     def kill(self) -> None:
