@@ -81,3 +81,22 @@ def test_the_engine_sends_the_next_step_while_the_card_runs_this_one(tp1):
     # preemption tests above ran under it; this checks the rank's own config says so.
     rank = replica_status(tp1.collective_rpc("spyre_status"))["ranks"][0]
     assert rank["async_scheduling"] is True
+
+
+def test_steps_and_calls_reach_the_card_over_the_step_channel(tp1):
+    # Once the engine serves, its steps and calls go over the rank's ZeroMQ socket, not
+    # Ray calls (step_channel.py); this status call is itself one of those calls.
+    before = replica_status(tp1.collective_rpc("spyre_status"))["ranks"][0]["step_channel"]
+    tp1.generate(PROMPTS[:2], greedy(8))
+    after = replica_status(tp1.collective_rpc("spyre_status"))["ranks"][0]["step_channel"]
+    assert after["address"].startswith("ipc://")
+    assert after["steps"] >= before["steps"] + 8  # at least one step per token
+    assert after["calls"] == before["calls"] + 1
+
+
+def test_a_failing_call_leaves_the_channel_in_order(tp1, tiny_model):
+    # A rank's error comes back as the answer to its own call, so the answers after it
+    # still match their requests: the engine goes on serving the same outputs.
+    with pytest.raises(Exception, match="no_such_worker_method"):
+        tp1.collective_rpc("no_such_worker_method")
+    assert_greedy_matches_transformers(tp1, tiny_model)

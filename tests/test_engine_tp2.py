@@ -6,6 +6,7 @@ from engine_helpers import (
     MAX_MODEL_LEN,
     assert_greedy_matches_transformers,
     assert_nothing_compiled_since_warmup,
+    greedy,
 )
 
 from spyre_serve.handshake.coordinator import replica_status
@@ -28,6 +29,7 @@ def test_tp2_greedy_equals_transformers(tp2, tiny_model):
 
 
 def test_tp2_every_rank_resized_to_the_smallest_report(tp2):
+    tp2.generate(["a step on both ranks"], greedy(4))
     status = replica_status(tp2.collective_rpc("spyre_status"))
     by_rank = {r["rank"]: r for r in status["reports"]}
     assert by_rank[0]["memory_budget_bytes"] == 96 * MiB
@@ -41,6 +43,8 @@ def test_tp2_every_rank_resized_to_the_smallest_report(tp2):
         assert {shape[2] for shape in rank["kv_cache_shapes"]} == {64}
         # warmup ran on exactly 4 blocks
         assert {shape[0] for shape in rank["warmup"]["kv_cache_shapes"]} == {4}
+        # every rank ran the steps above over its own step channel
+        assert rank["step_channel"]["steps"] > 0
     assert {r["device"] for r in status["ranks"]} == {r["device"] for r in status["reports"]}
 
 

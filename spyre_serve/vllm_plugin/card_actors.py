@@ -71,9 +71,13 @@ class CardActor:
     def execute_method(self, method, *args, **kwargs):
         return self._wrapped().execute_method(method, *args, **kwargs)
 
-    # Ours: an engine step (executor._execute_dag).
+    # Ours: an engine step (executor._execute_dag), and the step channel that carries them
+    # once the engine serves (step_channel.py).
     def execute_model_ray(self, execute_model_input):
         return self._wrapped().execute_model_ray(execute_model_input)
+
+    def open_step_channel(self, engine_node_id: str) -> str | None:
+        return self._wrapped().open_step_channel(engine_node_id)
 
 
 def card_process_env(settings: SpyreSettings, world_size: int) -> dict[str, str]:

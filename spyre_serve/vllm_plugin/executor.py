@@ -9,6 +9,7 @@ import contextlib
 import dataclasses
 import functools
 import os
+from concurrent.futures import Future
 
 import ray
 from vllm.v1.executor.ray_executor import RayDistributedExecutor
@@ -17,7 +18,7 @@ from vllm.v1.executor.ray_utils import FutureWrapper
 from spyre_serve import get_logger, vllm_compat
 from spyre_serve.handshake import catalog
 from spyre_serve.handshake.coordinator import decide
-from spyre_serve.vllm_plugin import card_actors
+from spyre_serve.vllm_plugin import card_actors, step_channel
 from spyre_serve.vllm_plugin.settings import SpyreSettings
 
 logger = get_logger(__name__)
@@ -85,6 +86,10 @@ class SpyreRayExecutor(RayDistributedExecutor):
         return True
 
     def _init_executor(self) -> None:
+        # The step channel (step_channel.py): opened at the first step, None until then
+        # and where the ranks cannot have one.
+        self._channel: step_channel.StepChannel | None = None
+        self._channel_tried = False
         with _startup_errors_to_file(self.vllm_config), _driver_needs_no_card():
             super()._init_executor()
 
@@ -103,6 +108,9 @@ class SpyreRayExecutor(RayDistributedExecutor):
                         len(adopted.adopted), len(self.workers))
 
     def shutdown(self) -> None:
+        channel, self._channel = getattr(self, "_channel", None), None
+        if channel is not None:
+            channel.close()
         super().shutdown()
         # Actors started ahead belong to the replica and would outlive this engine; ours
         # would end with the EngineCore anyway. Either way the cards are free after this.
@@ -113,18 +121,37 @@ class SpyreRayExecutor(RayDistributedExecutor):
             return self._block_handshake()
 
     def _execute_dag(self, scheduler_output, grammar_output, non_block=False):
-        """One engine step on every rank, as ordinary Ray actor calls instead of vLLM's Ray
-        compiled graph. The compiled graph's reader waits for the step's result by spinning
-        (Ray's shared-memory channel polls with sched_yield), so the EngineCore kept a whole
-        core busy while the card worked: on a 2-core box, the core the replica and Serve's
-        proxy need. A Ray call waits in the core worker without spinning (EngineCore 0.03 of a
-        core instead of 0.98) and measured faster, not slower (SmolLM2, offline, batch 1:
-        71.0-72.8 ms/token against 77.0-77.5; bench/README). Calls from one caller to one
-        actor run in submission order, which is the order the ranks need."""
-        refs = [worker.execute_model_ray.remote((scheduler_output, grammar_output))
-                for worker in self.workers]
-        future = _StepOnAllRanks(refs)
+        """One engine step on every rank: over the step channel (step_channel.py), opened
+        at the first step, so the handshake and startup calls before it stay Ray calls.
+        Ranks that cannot have one (another node) get ordinary Ray actor calls instead of
+        vLLM's Ray compiled graph, whose reader waits by spinning (Ray's shared-memory
+        channel polls with sched_yield): the EngineCore kept a whole core busy while the
+        card worked, on a 2-core box the core the replica and Serve's proxy need.
+        Calls from one caller to one actor run in submission order, as the ranks need."""
+        if not self._channel_tried:
+            self._channel_tried = True
+            self._channel = step_channel.open_channel(self.workers)
+        if self._channel is not None:
+            future = self._channel.step_future(
+                self._channel.send("step", (scheduler_output, grammar_output)))
+        else:
+            future = _StepOnAllRanks([
+                worker.execute_model_ray.remote((scheduler_output, grammar_output))
+                for worker in self.workers])
         return future if non_block else future.result()
+
+    def collective_rpc(self, method, timeout=None, args=(), kwargs=None, non_block=False):
+        """Once the step channel is open, calls go through it too, behind the steps sent
+        before them (what one queue of Ray calls per actor gave)."""
+        channel = getattr(self, "_channel", None)
+        if channel is None:
+            return super().collective_rpc(method, timeout, args, kwargs, non_block)
+        results = channel.call(method, args, kwargs or {}, timeout)
+        if not non_block:
+            return results
+        future = Future()
+        future.set_result(results)
+        return future
 
     def _block_handshake(self) -> list[int]:
         """Every rank warms up and reports; the coordinator decides; the decision is

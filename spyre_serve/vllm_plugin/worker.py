@@ -17,6 +17,7 @@ from spyre_serve import get_logger
 from spyre_serve.vllm_plugin.attention import (compile_cache_counts, compiled_graphs,
                                                install_kv_program)
 from spyre_serve.vllm_compat import hook
+from spyre_serve.vllm_plugin import step_channel
 from spyre_serve.vllm_plugin.settings import SpyreSettings
 from spyre_serve.vllm_plugin.warmup import (WARMUP_BLOCKS, release_freed_memory, run_warmup,
                                             settled_rss)
@@ -169,4 +170,7 @@ class SpyreWorker(CPUWorker):
             # Where this card's compute runs (card_actors.card_process_env sets the count).
             "torch_num_threads": torch.get_num_threads(),
             "cpu_affinity": sorted(os.sched_getaffinity(0)),
+            # How the engine's steps reach this rank (step_channel.py): its socket, and the
+            # steps and calls answered over it (none: Ray calls).
+            "step_channel": dict(step_channel.card_end),
         }
