@@ -102,8 +102,10 @@ def _answer(wrapper, rank: int, socket, folder: str) -> None:
 
 
 def _portable(e: Exception) -> Exception:
+    """The error itself if it survives the trip (some exceptions pickle but do not load),
+    else its text."""
     try:
-        pickle.dumps(e)
+        pickle.loads(_dumps(e))
         return e
     except Exception:
         return RuntimeError(f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
@@ -121,10 +123,6 @@ def _dumps(obj) -> bytes:
 
 
 # ---- engine side (in the EngineCore) ---------------------------------------------------
-
-class RankDied(RuntimeError):
-    pass
-
 
 class StepChannel:
     """The EngineCore's end: one socket per rank, answers matched to requests by order."""
