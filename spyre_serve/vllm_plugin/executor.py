@@ -143,10 +143,9 @@ class SpyreRayExecutor(RayDistributedExecutor):
     def collective_rpc(self, method, timeout=None, args=(), kwargs=None, non_block=False):
         """Once the step channel is open, calls go through it too, behind the steps sent
         before them (what one queue of Ray calls per actor gave)."""
-        channel = getattr(self, "_channel", None)
-        if channel is None:
+        if self._channel is None:
             return super().collective_rpc(method, timeout, args, kwargs, non_block)
-        results = channel.call(method, args, kwargs or {}, timeout)
+        results = self._channel.call(method, args, kwargs or {}, timeout)
         if not non_block:
             return results
         future = Future()

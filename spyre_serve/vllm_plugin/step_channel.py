@@ -24,8 +24,10 @@ from __future__ import annotations
 
 import os
 import pickle
+import shutil
 import tempfile
 import threading
+import time
 import traceback
 from concurrent.futures import Future
 
@@ -98,7 +100,7 @@ def _answer(wrapper, rank: int, socket, folder: str) -> None:
         os._exit(1)
     finally:
         socket.close(linger=0)
-        _remove(folder)
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _portable(e: Exception) -> Exception:
@@ -109,13 +111,6 @@ def _portable(e: Exception) -> Exception:
         return e
     except Exception:
         return RuntimeError(f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
-
-
-def _remove(folder: str) -> None:
-    for name in os.listdir(folder) if os.path.isdir(folder) else []:
-        os.unlink(os.path.join(folder, name))
-    if os.path.isdir(folder):
-        os.rmdir(folder)
 
 
 def _dumps(obj) -> bytes:
@@ -160,7 +155,7 @@ class StepChannel:
     def answers(self, number: int, timeout: float | None = None) -> list:
         """Every rank's answer to request `number`; raise the first rank's error at once
         (a failed rank may leave the others blocked in a collective with it)."""
-        waited = 0.0
+        deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             got = self._answers.get(number)
             if got is not None:
@@ -170,11 +165,10 @@ class StepChannel:
                 if None not in got:
                     del self._answers[number]
                     return [value for _, value in got]
-            if timeout is not None and waited >= timeout:
+            if deadline is not None and time.monotonic() >= deadline:
                 raise TimeoutError(f"ranks did not answer within {timeout} s")
             ready = dict(self._poller.poll(int(POLL_SECONDS * 1000)))
             if not ready:
-                waited += POLL_SECONDS
                 self._check_alive()
                 continue
             for rank, socket in enumerate(self._sockets):
