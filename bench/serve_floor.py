@@ -86,7 +86,8 @@ def session(args, scratch: Path, logs: Path, repeat: int) -> dict:
                 result["phases"][f"concurrency_{c}"] = phase
                 load = phase["load"]
                 print(f"    [{repeat + 1}/{args.repeats}] concurrency {c}: "
-                      f"{load['output_tokens_per_s']} tok/s, ITL p50 {load['itl_ms_p50']} ms, "
+                      f"{load['output_tokens_per_s']} tok/s, TTFT p50 {load['ttft_ms_p50']} ms, "
+                      f"ITL p50 {load['itl_ms_p50']} ms, "
                       f"p99 {load['itl_ms_p99']} ms, errors {load['errors']}, CPU ms/token "
                       f"{phase['cpu_ms_per_token']}", flush=True)
         result["peak_rss_mib"] = round(sampler.peak_rss / 2**20, 1)
@@ -113,6 +114,9 @@ def summarize(sessions: list[dict]) -> dict:
         "idle_pss_mib": median(s["idle_memory"]["pss_mib"] for s in sessions),
         "tokens_per_s": {p: median(s["phases"][p]["load"]["output_tokens_per_s"]
                                    for s in sessions) for p in phases},
+        # The first chunk is ready-made: what remains is the request's way through Serve.
+        "ttft_ms_p50": {p: median(s["phases"][p]["load"]["ttft_ms_p50"] for s in sessions)
+                        for p in phases},
         "errors": sum(s["phases"][p]["load"]["errors"] for s in sessions for p in phases),
     }
 
@@ -131,10 +135,19 @@ def against(summary: dict, compare: dict) -> dict:
                                "vllm_s": start,
                                "floor_over_vllm": round(summary["process_to_first_answer_s"] / start, 3)}}
         for phase, floor in summary["tokens_per_s"].items():
-            theirs = vllm["phases"].get(phase, {}).get("load", {}).get("output_tokens_per_s")
+            load = vllm["phases"].get(phase, {}).get("load", {})
+            theirs = load.get("output_tokens_per_s")
             if theirs:
                 rows[phase] = {"serve_floor_tokens_per_s": floor, "vllm_tokens_per_s": theirs,
                                "floor_over_vllm": round(floor / theirs, 3)}
+            hop, their_ttft = summary.get("ttft_ms_p50", {}).get(phase), load.get("ttft_ms_p50")
+            if theirs and hop is not None and their_ttft:
+                # spyre_serve runs vLLM's own OpenAI layer and engine behind Serve, so its
+                # TTFT is at least vLLM's plus Serve's way in: the lowest TTFT ratio it can
+                # reach. Meaningful at concurrency 1 (higher ones queue behind bursts).
+                rows[phase].update({"serve_floor_ttft_ms_p50": hop,
+                                    "vllm_ttft_ms_p50": their_ttft,
+                                    "lowest_ttft_ratio": round(1 + hop / their_ttft, 3)})
         out[model] = rows
     return out
 

@@ -19,14 +19,17 @@ def test_floors_are_set_beside_plain_vllms_medians():
                 for pss, s in ((2000.0, 40.0), (2100.0, 35.0), (1900.0, 60.0))]
     compare = {"models": {"tiny": {"servers": {"vllm": {
         "sessions": sessions,
-        "phases": {"concurrency_1": {"load": {"output_tokens_per_s": 500.0}}}}}}}}
+        "phases": {"concurrency_1": {"load": {"output_tokens_per_s": 500.0,
+                                              "ttft_ms_p50": 16.0}}}}}}}}
     summary = {"idle_pss_mib": 900.0, "process_to_first_answer_s": 20.0,
-               "tokens_per_s": {"concurrency_1": 1000.0, "concurrency_4": 2500.0}, "errors": 0}
+               "tokens_per_s": {"concurrency_1": 1000.0, "concurrency_4": 2500.0},
+               "ttft_ms_p50": {"concurrency_1": 4.0, "concurrency_4": 9.0}, "errors": 0}
     rows = serve_floor.against(summary, compare)["tiny"]
     assert rows["idle_pss"]["floor_over_vllm"] == 0.45
     assert rows["cold_start"]["floor_over_vllm"] == 0.5
     assert rows["concurrency_1"] == {"serve_floor_tokens_per_s": 1000.0, "vllm_tokens_per_s": 500.0,
-                                     "floor_over_vllm": 2.0}
+                                     "floor_over_vllm": 2.0, "serve_floor_ttft_ms_p50": 4.0,
+                                     "vllm_ttft_ms_p50": 16.0, "lowest_ttft_ratio": 1.25}
     assert "concurrency_4" not in rows  # vLLM did not run that phase
 
 
@@ -41,6 +44,7 @@ def test_serve_floor_measures_ray_and_serve_without_a_model(tmp_path):
     document = json.loads(out.read_text())
     (session,) = document["sessions"]
     assert document["summary"]["errors"] == 0
+    assert document["summary"]["ttft_ms_p50"]["concurrency_1"] > 0
     for phase in ("concurrency_1", "concurrency_4"):
         load = session["phases"][phase]["load"]
         assert load["output_tokens_per_s"] > 0 and load["short_outputs"] == 0

@@ -124,6 +124,7 @@ class StepChannel:
 
     def __init__(self, workers, addresses: list[str]):
         self._workers = workers
+        self._addresses = addresses
         self._context = zmq.Context()
         self._sockets = []
         for address in addresses:
@@ -196,6 +197,10 @@ class StepChannel:
                 pass
             socket.close(linger=0)
         self._context.term()
+        # The ranks remove their folders when they read "close", but the executor ends
+        # their actors right after sending it: this node's EngineCore removes them too.
+        for address in self._addresses:
+            shutil.rmtree(os.path.dirname(address.removeprefix("ipc://")), ignore_errors=True)
 
 
 class StepFuture(Future):
@@ -221,7 +226,11 @@ def open_channel(workers) -> StepChannel | None:
         logger.warning("step channel not opened, engine steps stay Ray calls: %s", e)
         addresses = [None]
     if None in addresses:
-        # A rank that did open one waits on it harmlessly; Ray calls reach it as before.
+        # A rank that did open one waits on it harmlessly (Ray calls reach it as before);
+        # its socket folder goes now.
+        opened = [(w, a) for w, a in zip(workers, addresses) if a is not None]
+        if opened:
+            StepChannel(*map(list, zip(*opened))).close()
         logger.info("engine steps stay Ray calls (a card actor is on another node than "
                     "the EngineCore, or could not open its channel)")
         return None
