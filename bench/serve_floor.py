@@ -140,7 +140,7 @@ def against(summary: dict, compare: dict) -> dict:
             if theirs:
                 rows[phase] = {"serve_floor_tokens_per_s": floor, "vllm_tokens_per_s": theirs,
                                "floor_over_vllm": round(floor / theirs, 3)}
-            hop, their_ttft = summary.get("ttft_ms_p50", {}).get(phase), load.get("ttft_ms_p50")
+            hop, their_ttft = summary["ttft_ms_p50"].get(phase), load.get("ttft_ms_p50")
             if theirs and hop is not None and their_ttft:
                 # spyre_serve runs vLLM's own OpenAI layer and engine behind Serve, so its
                 # TTFT is at least vLLM's plus Serve's way in: the lowest TTFT ratio it can

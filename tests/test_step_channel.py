@@ -41,7 +41,7 @@ class EchoWorker:
                                   "another-node" if self._elsewhere else engine_node_id)
 
     def channel_folder(self):
-        return os.path.dirname(step_channel.card_end["address"].removeprefix("ipc://"))
+        return step_channel.folder_of(step_channel.card_end["address"])
 
     def get_node_ip(self):
         return "127.0.0.1"
@@ -117,7 +117,7 @@ def test_a_wait_with_a_timeout_ends(ranks):
 
 def test_closing_leaves_no_socket_folder_when_the_ranks_end_at_once(actors):
     channel = step_channel.open_channel(actors)
-    folders = [os.path.dirname(a.removeprefix("ipc://")) for a in channel._addresses]
+    folders = [step_channel.folder_of(a) for a in channel._addresses]
     assert all(os.path.isdir(f) for f in folders)
     assert channel.step_future(channel.send("step", ("s", None))).result() == Output("s", 0)
     # As the executor's shutdown does: close, then end the card actors right away.

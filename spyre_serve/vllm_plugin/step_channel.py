@@ -113,6 +113,11 @@ def _portable(e: Exception) -> Exception:
         return RuntimeError(f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
 
 
+def folder_of(address: str) -> str:
+    """The private folder a rank's socket address lives in."""
+    return os.path.dirname(address.removeprefix("ipc://"))
+
+
 def _dumps(obj) -> bytes:
     return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
 
@@ -200,7 +205,7 @@ class StepChannel:
         # The ranks remove their folders when they read "close", but the executor ends
         # their actors right after sending it: this node's EngineCore removes them too.
         for address in self._addresses:
-            shutil.rmtree(os.path.dirname(address.removeprefix("ipc://")), ignore_errors=True)
+            shutil.rmtree(folder_of(address), ignore_errors=True)
 
 
 class StepFuture(Future):
@@ -228,9 +233,8 @@ def open_channel(workers) -> StepChannel | None:
     if None in addresses:
         # A rank that did open one waits on it harmlessly (Ray calls reach it as before);
         # its socket folder goes now.
-        opened = [(w, a) for w, a in zip(workers, addresses) if a is not None]
-        if opened:
-            StepChannel(*map(list, zip(*opened))).close()
+        for address in filter(None, addresses):
+            shutil.rmtree(folder_of(address), ignore_errors=True)
         logger.info("engine steps stay Ray calls (a card actor is on another node than "
                     "the EngineCore, or could not open its channel)")
         return None
