@@ -125,6 +125,10 @@ def autoscaling_cluster(tiny_model):
                      120, 2)
             yield ray, str(root / "ray")  # on the command line of each of its raylets
         finally:
+            if ray.is_initialized():
+                # The head's SIGTERM drain would wait its 30 s for the catalog actor.
+                from spyre_serve.handshake.catalog import end_catalog
+                end_catalog()
             ray.shutdown()
             cluster.stop()
 

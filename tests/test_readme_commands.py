@@ -1,5 +1,11 @@
-"""README's commands, run as a newcomer runs them: an empty HOME (no ~/.ray token, no model
-cache), a Ray temp dir of the test's own, no RAY_* settings, nothing from earlier tests.
+"""README's commands, run as a newcomer runs them: an empty HOME (no ~/.ray token), a Ray temp
+dir of the test's own, no RAY_* settings, no Ray of earlier tests.
+
+`make serve` starts from a HOME with nothing in it, the demo model's cache included: it is
+the first command README gives. The commands README gives after it find the demo model that
+a first run converted into ~/.cache/spyre_serve, as a newcomer's HOME would have it (the
+first of them to run in this module converts it); converting it once per test cost ~40 s
+each in CI for nothing the tests check.
 
 Each test stops exactly what it started (by its own Ray temp dir, never `ray stop`), so it
 passes alone, in any order, and beside the suite's own Ray cluster.
@@ -10,6 +16,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import tempfile
@@ -56,12 +63,16 @@ def readme_curl() -> dict:
 
 class Newcomer:
     """An empty HOME and a Ray temp dir of its own; `env` is the shell a newcomer has,
-    `activated` the same after `. .venv/bin/activate`."""
+    `activated` the same after `. .venv/bin/activate`. With `model_cache`, the HOME's
+    ~/.cache/spyre_serve is that folder: the demo model an earlier `make serve` converted."""
 
-    def __init__(self):
+    def __init__(self, model_cache: Path | None = None):
         self.root = Path(tempfile.mkdtemp(prefix="nc-", dir="/tmp"))  # short: Ray's sockets
         (self.root / "home").mkdir()
         (self.root / "rt").mkdir()
+        if model_cache is not None:
+            (self.root / "home" / ".cache").mkdir()
+            (self.root / "home" / ".cache" / "spyre_serve").symlink_to(model_cache)
         self.env = newcomer_env(self.root / "home", self.root / "rt")
         self.activated = {**self.env, "VIRTUAL_ENV": str(ROOT / ".venv"),
                           "PATH": f"{VENV_BIN}:{self.env['PATH']}"}
@@ -108,12 +119,38 @@ class Newcomer:
         wait_for("port 8000 to close", lambda: not port_open(8000), 30, 0.5)
 
 
+@pytest.fixture(scope="module")
+def converted_demo_model(tmp_path_factory) -> Path:
+    """The ~/.cache/spyre_serve every test after `make serve` shares (filled by the first)."""
+    return tmp_path_factory.mktemp("spyre-serve-cache")
+
+
 @pytest.fixture
-def newcomer():
+def pristine_newcomer(converted_demo_model):
+    """Afterwards the demo model it converted is what the later tests' HOMEs have."""
     assert not port_open(8000), "port 8000 is taken: README's commands need it"
     person = Newcomer()
     yield person
     person.cleanup()
+    if not any(converted_demo_model.iterdir()):
+        for folder in (Path(person.env["HOME"]) / ".cache" / "spyre_serve").glob("*"):
+            shutil.move(folder, converted_demo_model / folder.name)
+
+
+@pytest.fixture
+def newcomer(converted_demo_model):
+    assert not port_open(8000), "port 8000 is taken: README's commands need it"
+    person = Newcomer(model_cache=converted_demo_model)
+    yield person
+    person.cleanup()
+
+
+def assert_head_drained(head_output: str) -> None:
+    """The head's SIGTERM drain (Ray's `ray start --block`) found its node idle: no actor of
+    ours outlived the drained apps to hold it the full RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S
+    (the warm-start catalog's detached actor did, for 30 s, until `end_catalog`)."""
+    assert "did not finish draining" not in head_output, head_output[-3000:]
+    assert "Local node finished draining" in head_output, head_output[-3000:]
 
 
 def stream_then_signal(process: psutil.Process | subprocess.Popen, sig=signal.SIGTERM):
@@ -136,7 +173,9 @@ def stream_then_signal(process: psutil.Process | subprocess.Popen, sig=signal.SI
 
 
 @pytest.mark.timeout(1800)
-def test_make_serve_from_a_pristine_home(newcomer, tmp_path):
+def test_make_serve_from_a_pristine_home(pristine_newcomer, tmp_path):
+    newcomer = pristine_newcomer
+    assert not any(Path(newcomer.env["HOME"]).iterdir())
     log = tmp_path / "make-serve.log"
     started = time.monotonic()
     server = newcomer.popen(["make", "serve"], env=newcomer.env, stdout=open(log, "w"),
@@ -163,6 +202,7 @@ def test_make_serve_from_a_pristine_home(newcomer, tmp_path):
         output = log.read_text()
         assert "draining the Serve applications" in output, output[-3000:]
         assert not CRASH_DUMP.search(output), output[-5000:]
+        assert_head_drained(output)
         # The head this run started stops with it, and nothing else of it stays.
         wait_for("every process of make serve's Ray to exit", lambda: not newcomer.leftovers(),
                  60, 1)
@@ -200,17 +240,25 @@ def test_spyre_serve_start_deploy_status_stop(newcomer):
     assert commands == ["spyre-serve start", "serve deploy serve_config.yaml", "serve status",
                         "spyre-serve stop"], commands
     start, deploy, _, stop = commands
+    took, started = {}, time.monotonic()
     done = newcomer.run(start)
     assert done.returncode == 0, done.stderr[-3000:]
+    took[start] = time.monotonic() - started
     done = newcomer.run(deploy)
     assert done.returncode == 0, done.stderr[-3000:]
     wait_for("the deployed app to answer", _answers, 900, 2)
+    took[f"{deploy} until it answers"] = time.monotonic() - started - took[start]
     readme_curl()
     newcomer.ray_tools_see("spyre-llm")
+    started = time.monotonic()
     done = newcomer.run(stop, timeout=300)
+    took[stop] = time.monotonic() - started
+    print("seconds:", {k: round(v, 1) for k, v in took.items()})
     assert done.returncode == 0, done.stderr[-3000:]
     assert "stopped the Ray head" in done.stderr
     assert not CRASH_DUMP.search(done.stdout + done.stderr)
+    (head_log,) = (newcomer.root / "rt").rglob("spyre-serve-head.log")
+    assert_head_drained(head_log.read_text())
     wait_for("every process of that head to exit", lambda: not newcomer.leftovers(), 60, 1)
 
 

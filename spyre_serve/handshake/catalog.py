@@ -252,6 +252,21 @@ def _catalog_actor():
                                   scheduling_strategy="DEFAULT").remote()
 
 
+def end_catalog() -> bool:
+    """Before the cluster's head stops: end the catalog actor (its entries end with the
+    cluster anyway). Being detached, it outlives Serve's shutdown and holds a worker on the
+    head; Ray 2.60's `ray start --block` drains its node on SIGTERM until no worker is left
+    or RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S (30 s) passes, so every stop waited those
+    30 s. Needs a connected driver; False if there was no catalog actor."""
+    import ray
+    try:
+        actor = ray.get_actor(ACTOR_NAME, namespace=NAMESPACE)
+    except ValueError:
+        return False
+    ray.kill(actor, no_restart=True)
+    return True
+
+
 def start_catalog_ahead(settings) -> None:
     """In the Serve replica, before its engine: ask for the cluster's catalog actor now, so
     the handshake does not wait for its process to start (once per cluster)."""

@@ -285,7 +285,7 @@ def run(config: Path, cards: int | None, num_cpus: int | None, port: int,
         head = start_head(cards, num_cpus, port, temp_dir)
     try:
         return supervise([tool("serve"), "run", str(config)], os.environ["RAY_ADDRESS"],
-                         ready_urls(config))
+                         ready_urls(config), head_stops=head is not None)
     finally:
         stop_head(head)
 
@@ -336,7 +336,8 @@ def die_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def supervise(cmd: list[str], address: str, urls: list[tuple[str, str]] = ()) -> int:
+def supervise(cmd: list[str], address: str, urls: list[tuple[str, str]] = (),
+              head_stops: bool = False) -> int:
     """Run `serve run`; on Ctrl-C or SIGTERM drain the apps before Serve shuts down.
 
     `serve run` itself answers Ctrl-C with `serve.shutdown()`, which cuts in-flight streams
@@ -358,7 +359,7 @@ def supervise(cmd: list[str], address: str, urls: list[tuple[str, str]] = ()) ->
     say("draining the Serve applications, then shutting Serve down")
     try:
         from spyre_serve.ops.shutdown import drain_cluster
-        drain_cluster(address)
+        drain_cluster(address, head_stops=head_stops)
     finally:
         child.terminate()
         try:
@@ -377,7 +378,7 @@ def stop(temp_dir: str | None = None) -> int:
     if address:
         from spyre_serve.ops.shutdown import drain_cluster
         try:
-            drained = drain_cluster(address)
+            drained = drain_cluster(address, head_stops=pid_file.is_file())
             say(f"drained {len(drained) or 'no'} Serve application(s)")
         except Exception as e:  # a half-dead cluster must still be stoppable
             say(f"could not drain Serve ({e}); stopping Ray anyway")

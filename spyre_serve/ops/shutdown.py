@@ -36,13 +36,18 @@ def drain_and_shutdown(timeout_s: float = 300.0) -> list[str]:
     return names
 
 
-def drain_cluster(address: str, timeout_s: float = 300.0) -> list[str]:
-    """Connect to the cluster at `address` as a driver and drain its Serve apps."""
+def drain_cluster(address: str, timeout_s: float = 300.0, head_stops: bool = False) -> list[str]:
+    """Connect to the cluster at `address` as a driver and drain its Serve apps; when the
+    head stops next (`head_stops`), also end what would keep its node from draining."""
     import ray
 
     ray.init(address=address, namespace="serve", log_to_driver=False,
              logging_level="WARNING")
     try:
-        return drain_and_shutdown(timeout_s)
+        drained = drain_and_shutdown(timeout_s)
+        if head_stops:
+            from spyre_serve.handshake.catalog import end_catalog
+            end_catalog()
+        return drained
     finally:
         ray.shutdown()
