@@ -125,11 +125,11 @@ def autoscaling_cluster(tiny_model):
                      120, 2)
             yield ray, str(root / "ray")  # on the command line of each of its raylets
         finally:
-            if ray.is_initialized():
-                # The head's SIGTERM drain would wait its 30 s for the catalog actor.
-                from spyre_serve.handshake.catalog import end_catalog
-                end_catalog()
             ray.shutdown()
+            # As `spyre-serve stop` (and the suite's own head) does, so the head's SIGTERM
+            # drain finds its node idle instead of waiting 30 s for the catalog actor.
+            from spyre_serve.ops.shutdown import drain_cluster
+            drain_cluster(address, head_stops=True)
             cluster.stop()
 
 
